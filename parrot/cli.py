@@ -1,0 +1,118 @@
+"""The `parrot` command: serve (manager + engines), engine (one engine process), run (an app).
+
+Flags are generated from the settings objects (EngineSettings, ServerSettings, EngineServerSettings), so a
+flag, its PARROT_* environment variable and the settings field are one thing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import runpy
+import sys
+import typing
+
+from pydantic import ValidationError
+from pydantic_settings import BaseSettings
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser, cls: type[BaseSettings], skip: set[str] = frozenset()) -> None:
+    group = parser.add_argument_group(cls.__name__)
+    for name, field in cls.model_fields.items():
+        if name in skip:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if flag in parser._option_string_actions:  # shared field (e.g. host): one flag feeds both objects
+            continue
+        ann = field.annotation
+        args = typing.get_args(ann)
+        if ann is bool:
+            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
+                               help=field.description)
+            continue
+        choices = None
+        if typing.get_origin(ann) is typing.Literal:
+            choices = list(args)
+        group.add_argument(flag, dest=name, default=None, choices=choices, help=field.description, metavar=name.upper()
+                           if choices is None else None)
+
+
+def _settings_from(cls: type[BaseSettings], ns: argparse.Namespace, skip: set[str] = frozenset()):
+    given = {k: getattr(ns, k) for k in cls.model_fields if k not in skip and getattr(ns, k, None) is not None}
+    try:
+        return cls(**given)
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise SystemExit(f"parrot: invalid --{'-'.join(str(x) for x in first['loc']).replace('_', '-')}: {first['msg']}")
+
+
+def _cmd_engine(ns: argparse.Namespace) -> None:
+    import uvicorn
+
+    from parrot.engine.builder import build_local_engine_client
+    from parrot.engine.server import EngineServerSettings, create_engine_app
+    from parrot.engine.settings import EngineSettings
+
+    server = _settings_from(EngineServerSettings, ns)
+    engine = _settings_from(EngineSettings, ns, skip={"name"} if ns.name is None else set())
+    client = build_local_engine_client(engine)
+    app = create_engine_app(client, server)
+    uvicorn.run(app, host=server.host, port=server.port, log_level="warning")
+
+
+def _cmd_serve(ns: argparse.Namespace) -> None:
+    import uvicorn
+
+    from parrot.api.app import create_app
+    from parrot.api.settings import ServerSettings
+    from parrot.engine.builder import build_local_engine_client
+    from parrot.engine.settings import EngineSettings
+
+    server = _settings_from(ServerSettings, ns)
+    engine = _settings_from(EngineSettings, ns, skip={"name", "port", "host"})
+    client = build_local_engine_client(engine)
+    app = create_app(server, [client])
+    print(f"parrot: serving {client.name} on http://{server.host}:{server.port} (OpenAPI at /docs)", flush=True)
+    uvicorn.run(app, host=server.host, port=server.port, log_level="warning")
+
+
+def _cmd_run(ns: argparse.Namespace) -> None:
+    if ns.url:
+        os.environ["PARROT_URL"] = ns.url
+    sys.argv = [ns.script, *ns.args]
+    runpy.run_path(ns.script, run_name="__main__")
+
+
+def main(argv: list[str] | None = None) -> None:
+    from parrot.api.settings import ServerSettings
+    from parrot.engine.server import EngineServerSettings
+    from parrot.engine.settings import EngineSettings
+
+    parser = argparse.ArgumentParser(prog="parrot", description="Parrot: an LLM service for applications")
+    parser.add_argument("--log-level", default=os.environ.get("PARROT_LOG_LEVEL", "INFO"))
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("serve", help="manager + API + a builtin engine on the default model")
+    _add_settings_flags(p, ServerSettings)
+    _add_settings_flags(p, EngineSettings, skip={"name"})
+    p.set_defaults(fn=_cmd_serve, name=None)
+
+    p = sub.add_parser("engine", help="one builtin engine as its own HTTP process")
+    _add_settings_flags(p, EngineServerSettings)
+    _add_settings_flags(p, EngineSettings)
+    p.set_defaults(fn=_cmd_engine)
+
+    p = sub.add_parser("run", help="run an app script against a Parrot server (PARROT_URL)")
+    p.add_argument("script")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.add_argument("--url", default=None, help="server URL (default: $PARROT_URL or http://127.0.0.1:8000)")
+    p.set_defaults(fn=_cmd_run)
+
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ns.fn(ns)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Shared plain types of Parrot (no torch): typed errors, sampling parameters, perf criteria."""

@@ -1,0 +1,109 @@
+"""One definition of the sampling parameters, shared by the engine, the manager and the APIs."""
+
+from __future__ import annotations
+
+import dataclasses
+from enum import Enum
+from dataclasses import dataclass
+
+from parrot.common.errors import BadSamplingParams
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one Generate call samples and when it stops.
+
+    ``temperature == 0`` means greedy. ``max_tokens`` counts generated tokens. Stop strings are matched on
+    the detokenized text and are not included in the returned text; stop token ids (and EOS unless
+    ``ignore_eos``) end generation without being returned in the text (the token id is still reported).
+    ``seed`` makes a sampled generation reproducible regardless of batching.
+    """
+
+    max_tokens: int = 128
+    min_tokens: int = 0
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    repetition_penalty: float = 1.0  # >1 discourages tokens already in prompt or output (CTRL-style)
+    presence_penalty: float = 0.0  # OpenAI-style, subtracted once per token present in the output
+    frequency_penalty: float = 0.0  # OpenAI-style, subtracted per occurrence in the output
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        # normalise list inputs to tuples so the object stays hashable / immutable
+        if not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str) else self.stop))
+        if not isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name: str, why: str) -> BadSamplingParams:
+            return BadSamplingParams(f"{name} {why}", param=name)
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise bad("temperature", f"must be in [0, 100], got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", f"must be an integer >= 0 (0 disables), got {self.top_k!r}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -2.0 <= v <= 2.0:
+                raise bad(name, f"must be in [-2, 2], got {v!r}")
+        if len(self.stop) > 16 or any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "must be at most 16 non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative integers")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", f"must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def replace(self, **changes) -> "SamplingParams":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["stop"] = list(self.stop)
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SamplingParams":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise BadSamplingParams(f"unknown sampling field(s): {sorted(unknown)}", param=sorted(unknown)[0])
+        try:
+            return cls(**d)
+        except TypeError as e:  # wrong types reach here only through bad keyword shapes
+            raise BadSamplingParams(str(e)) from None
+
+
+class FinishReason(str, Enum):
+    """Why a generation ended (OpenAI vocabulary)."""
+
+    STOP = "stop"  # EOS, stop token or stop string
+    LENGTH = "length"  # max_tokens or the model's context window
+    ABORT = "abort"  # cancelled (client went away, context freed)
+
+

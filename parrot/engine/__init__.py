@@ -1,0 +1,1 @@
+"""Engines: the universal Fill / Generate / FreeContext interface and the builtin PyTorch engine."""

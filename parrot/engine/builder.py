@@ -1,0 +1,60 @@
+"""Build a builtin engine from EngineSettings: load the model and tokenizer, size the KV pool, start the loop."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from parrot.engine.engine import LLMEngine
+from parrot.engine.kv_cache.block_pool import BlockPool
+from parrot.engine.local_client import LocalEngineClient
+from parrot.engine.model_files import resolve_model_path
+from parrot.engine.runner import ModelRunner
+from parrot.engine.sampler import Sampler
+from parrot.engine.scheduler.scheduler import Scheduler
+from parrot.engine.settings import EngineSettings
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def build_engine(settings: EngineSettings, *, model=None, tokenizer=None) -> LLMEngine:
+    """Load (or take) the model + tokenizer and start an LLMEngine. ``model``/``tokenizer`` are for tests."""
+    if settings.num_threads:
+        torch.set_num_threads(settings.num_threads)
+    if model is None:
+        from parrot.engine.models.llama import load_model
+        from parrot.engine.tokenizer import load_tokenizer
+
+        path = resolve_model_path(settings.model)
+        model = load_model(path, dtype=_DTYPES[settings.dtype], device=settings.device,
+                           weight_quant=settings.weight_quant)
+        tokenizer = load_tokenizer(path)
+        model_name = os.path.basename(path.rstrip("/"))
+    else:
+        model_name = model.config.name
+    cfg = model.config
+    max_len = min(settings.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    bs = settings.block_size
+    if settings.kv_cache_tokens is not None:
+        num_blocks = -(-settings.kv_cache_tokens // bs)
+    else:
+        elem = torch.tensor([], dtype=_DTYPES[settings.dtype]).element_size()
+        num_blocks = max(1, settings.kv_cache_bytes // ModelRunner.kv_bytes_per_block(cfg, bs, elem))
+    pool = BlockPool(num_blocks, bs)
+    sampler = Sampler(tokenizer.eos_token_ids, base_seed=settings.seed)
+    runner = ModelRunner(model, num_blocks, bs, sampler)
+    scheduler = Scheduler(pool, settings.max_num_seqs, settings.max_batch_tokens)
+    engine = LLMEngine(name=settings.name, model_name=model_name, runner=runner, pool=pool, scheduler=scheduler,
+                       tokenizer=tokenizer, max_model_len=max_len)
+    engine.start()
+    log.info("engine %s: model %s, %s, KV pool %d blocks x %d tokens, window %d", settings.name, model_name,
+             settings.dtype, num_blocks, bs, max_len)
+    return engine
+
+
+def build_local_engine_client(settings: EngineSettings | None = None, **kw) -> LocalEngineClient:
+    return LocalEngineClient(build_engine(settings or EngineSettings(), **kw))

@@ -1,0 +1,129 @@
+"""The universal engine abstraction (Parrot §7): Fill / Generate / FreeContext, plus status and tokenizer.
+
+The manager talks to engines only through :class:`EngineClient`, so the builtin engine (in-process or over
+HTTP), an OpenAI-compatible adapter and the simulated engine are interchangeable.
+
+Contexts form a tree. ``fill(tokens, ctx, parent)`` creates ``ctx`` as a child of ``parent`` when ``ctx`` does
+not exist yet (the child starts from the parent's KV, shared, not copied) and appends ``tokens`` to it;
+filling an existing context appends. ``generate(sampling, ctx, parent)`` does the same for generated tokens:
+the generated tokens become part of ``ctx``'s KV, so a later fill continues after them.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from parrot.common.sampling import FinishReason, SamplingParams
+
+
+@dataclass(frozen=True)
+class FillResult:
+    context_id: str
+    num_filled: int  # tokens appended by this call
+    context_len: int  # total tokens in the context (inherited prefix included)
+    num_cached: int = 0  # of the filled tokens, how many were served from the prefix cache
+
+
+@dataclass(frozen=True)
+class GenerateChunk:
+    """One streamed increment. ``text`` is the newly decodable text (may be empty mid-codepoint)."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    context_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason
+    prompt_len: int  # context length before generation
+    ttft_s: float = 0.0  # queueing + first token latency inside the engine
+    latency_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """A load snapshot, reported in heartbeats and the /status endpoint."""
+
+    name: str
+    model: str
+    max_model_len: int
+    num_running: int
+    num_waiting: int
+    running_tokens: int
+    waiting_tokens: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_shared: int
+    kv_blocks_cached: int
+    block_size: int
+    num_contexts: int
+    num_preempted_total: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class EngineClient(abc.ABC):
+    """What the manager needs from an engine. All methods are safe to call concurrently.
+
+    Errors: unknown context -> ``UnknownContext``; prompt beyond the model window ->
+    ``ContextLengthExceeded``; bad sampling -> ``BadSamplingParams``; transport / engine failure ->
+    ``EngineError`` (``EngineUnavailable`` when the engine cannot be reached).
+    """
+
+    name: str
+
+    @abc.abstractmethod
+    async def fill(self, token_ids: list[int], context_id: str, parent_context_id: str | None = None) -> FillResult:
+        """Append ``token_ids`` to ``context_id`` (created as a fork of ``parent_context_id`` if new)."""
+
+    @abc.abstractmethod
+    async def generate(
+        self, sampling: SamplingParams, context_id: str, parent_context_id: str | None = None
+    ) -> GenerateResult:
+        """Decode from ``context_id`` until a stop condition; generated tokens are appended to the context."""
+
+    @abc.abstractmethod
+    def generate_stream(
+        self, sampling: SamplingParams, context_id: str, parent_context_id: str | None = None
+    ) -> AsyncIterator[GenerateChunk]:
+        """Like :meth:`generate`, yielding increments; the last chunk carries ``finish_reason``."""
+
+    @abc.abstractmethod
+    async def free_context(self, context_id: str) -> None:
+        """Drop ``context_id``. Children keep their (shared) KV; freeing an unknown id raises UnknownContext."""
+
+    @abc.abstractmethod
+    async def status(self) -> EngineStatus:
+        """Current load snapshot."""
+
+    @abc.abstractmethod
+    async def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text`` with this engine's tokenizer (no BOS added)."""
+
+    @abc.abstractmethod
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """Text of ``token_ids``."""
+
+    @abc.abstractmethod
+    async def model_info(self) -> "ModelInfo":
+        """Model name, context window, special tokens and chat template."""
+
+    async def close(self) -> None:
+        """Release client resources (HTTP connections). Engines with none need not override."""
+        return None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    max_model_len: int
+    vocab_size: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    chat_template: str | None
+    add_bos: bool = False

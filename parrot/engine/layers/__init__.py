@@ -1,0 +1,1 @@
+"""Torch layers of the builtin engine."""

@@ -1,0 +1,128 @@
+"""ModelRunner: turns a BatchPlan into one model forward over the paged KV cache, then samples (torch).
+
+Flat batch layout of one iteration (rows of input_ids / positions / slots):
+
+    | decode rows: 1 token per seq (B) | prefill chunk 0 (n0 tokens) | prefill chunk 1 | ... |
+
+Chunks with 0 tokens ("sample only": a Generate on a context whose last hidden state is cached) take no
+row; their hidden state comes from the context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from parrot.engine.context import Context, Op
+from parrot.engine.layers.attention import DecodeMeta, PagedAttention, PrefillMeta
+from parrot.engine.sampler import Sampler
+from parrot.engine.scheduler.scheduler import BatchPlan, Chunk
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    computed: tuple[tuple[Context, int], ...]  # (context, tokens newly computed)
+    last_hidden: tuple[tuple[Context, torch.Tensor], ...]  # contexts whose end was reached this step
+    sampled: tuple[tuple[Op, int], ...]  # (generate op, new token)
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, block_size: int, sampler: Sampler) -> None:
+        cfg = model.config
+        self.model = model
+        self.sampler = sampler
+        self.block_size = block_size
+        self.device = model.device
+        self.dtype = model.dtype
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(cfg.num_layers)
+        ]
+        self.scale = cfg.head_dim ** -0.5
+
+    @staticmethod
+    def kv_bytes_per_block(model_config, block_size: int, elem_size: int) -> int:
+        return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_dim * elem_size
+
+    def _slots(self, ctx: Context, start: int, n: int) -> list[int]:
+        bs, table = self.block_size, ctx.block_table
+        return [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+
+    @torch.inference_mode()
+    def execute(self, plan: BatchPlan) -> StepOutput:
+        decodes = [c for c in plan.chunks if c.num_tokens == 1]
+        prefills = [c for c in plan.chunks if c.num_tokens > 1]
+        sample_only = [c for c in plan.chunks if c.num_tokens == 0]
+        dev = self.device
+        hidden = None
+        rows: dict[int, int] = {}  # id(chunk) -> row of its last token in `hidden`
+        if decodes or prefills:
+            ids: list[int] = []
+            pos: list[int] = []
+            slots: list[int] = []
+            for c in decodes + prefills:
+                ctx = c.op.ctx
+                ids.extend(ctx.tokens[c.start : c.start + c.num_tokens])
+                pos.extend(range(c.start, c.start + c.num_tokens))
+                slots.extend(self._slots(ctx, c.start, c.num_tokens))
+                rows[id(c)] = len(ids) - 1
+            decode_meta = self._decode_meta(decodes) if decodes else None
+            prefill_meta = []
+            row = len(decodes)
+            for c in prefills:
+                prefill_meta.append(self._prefill_meta(c, row))
+                row += c.num_tokens
+            attn = PagedAttention(
+                self.kv_caches, torch.tensor(slots, dtype=torch.long, device=dev), decode_meta, prefill_meta, self.scale
+            )
+            hidden = self.model(
+                torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev), attn
+            )
+        computed = tuple((c.op.ctx, c.num_tokens) for c in decodes + prefills)
+        last_hidden = []
+        sample_rows: list[torch.Tensor] = []
+        sample_ops: list[Op] = []
+        for c in decodes + prefills:
+            if c.start + c.num_tokens == len(c.op.ctx.tokens):
+                h = hidden[rows[id(c)]].clone()
+                last_hidden.append((c.op.ctx, h))
+                if c.sample:
+                    sample_rows.append(h)
+                    sample_ops.append(c.op)
+        for c in sample_only:
+            sample_rows.append(c.op.ctx.last_hidden)
+            sample_ops.append(c.op)
+        sampled: tuple[tuple[Op, int], ...] = ()
+        if sample_ops:
+            logits = self.model.compute_logits(torch.stack(sample_rows))
+            toks = self.sampler.sample(logits, sample_ops)
+            sampled = tuple(zip(sample_ops, toks))
+        return StepOutput(computed, tuple(last_hidden), sampled)
+
+    def _decode_meta(self, decodes: list[Chunk]) -> DecodeMeta:
+        bs = self.block_size
+        lens = [c.start + 1 for c in decodes]
+        max_len = max(lens)
+        max_blocks = -(-max_len // bs)
+        table = [c.op.ctx.block_table[:max_blocks] + [0] * (max_blocks - len(c.op.ctx.block_table[:max_blocks]))
+                 for c in decodes]
+        dev = self.device
+        mask = None
+        if min(lens) != max_len:
+            lt = torch.tensor(lens, device=dev)
+            mask = (torch.arange(max_len, device=dev).unsqueeze(0) < lt.unsqueeze(1)).view(len(decodes), 1, 1, max_len)
+        return DecodeMeta(len(decodes), torch.tensor(table, dtype=torch.long, device=dev), max_len, mask)
+
+    def _prefill_meta(self, c: Chunk, row0: int) -> PrefillMeta:
+        if c.start == 0:
+            return PrefillMeta(row0, c.num_tokens, 0, None, None)
+        bs = self.block_size
+        L = c.start + c.num_tokens
+        dev = self.device
+        blocks = torch.tensor(c.op.ctx.block_table[: -(-L // bs)], dtype=torch.long, device=dev)
+        q_pos = torch.arange(c.start, L, device=dev).unsqueeze(1)
+        mask = torch.arange(L, device=dev).unsqueeze(0) <= q_pos
+        return PrefillMeta(row0, c.num_tokens, c.start, blocks, mask)

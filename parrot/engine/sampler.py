@@ -1,0 +1,96 @@
+"""Token sampling for a batch of GENERATE ops (torch).
+
+Greedy rows take one batched argmax. Sampled rows share batched temperature / top-k / top-p masking and then
+draw with their own ``torch.Generator`` (seeded per request), so a seeded request gives the same tokens
+whatever else is in the batch. Penalties and min_tokens are applied per row before either path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from parrot.common.sampling import SamplingParams
+from parrot.engine.context import Op
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: Sequence[int], base_seed: int = 0) -> None:
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.base_seed = base_seed
+        self._counter = 0
+
+    def _generator(self, op: Op, device: torch.device) -> torch.Generator:
+        if op.generator is None:
+            sp = op.sampling
+            assert sp is not None
+            seed = sp.seed if sp.seed is not None else self.base_seed * 1_000_003 + op.seq_no
+            g = torch.Generator(device=device)
+            g.manual_seed(seed)
+            op.generator = g
+        return op.generator
+
+    def _adjust_row(self, logits: torch.Tensor, op: Op) -> None:
+        """In-place penalties and min_tokens suppression on one row of logits (float32)."""
+        sp = op.sampling
+        assert sp is not None
+        if sp.needs_penalties:
+            if sp.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(op.ctx.tokens[-4096:])), dtype=torch.long, device=logits.device)
+                vals = logits.index_select(0, seen)
+                vals = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
+                logits.index_copy_(0, seen, vals)
+            if op.output_ids and (sp.presence_penalty or sp.frequency_penalty):
+                ids, counts = torch.tensor(op.output_ids, dtype=torch.long, device=logits.device).unique(
+                    return_counts=True
+                )
+                pen = sp.presence_penalty + sp.frequency_penalty * counts.to(logits.dtype)
+                logits.index_add_(0, ids, -pen)
+        if len(op.output_ids) < sp.min_tokens:  # as vLLM: EOS and stop tokens cannot end it early
+            banned = set(sp.stop_token_ids) | set(self.eos_token_ids)
+            if banned:
+                logits[list(banned)] = float("-inf")
+
+    def sample(self, logits: torch.Tensor, ops: Sequence[Op]) -> list[int]:
+        """logits: float32 [N, vocab], one row per op (modified in place). Returns one token id per op."""
+        for i, op in enumerate(ops):
+            sp = op.sampling
+            assert sp is not None
+            if sp.needs_penalties or len(op.output_ids) < sp.min_tokens:
+                self._adjust_row(logits[i], op)
+        out = [0] * len(ops)
+        greedy = [i for i, op in enumerate(ops) if op.sampling.greedy]  # type: ignore[union-attr]
+        if greedy:
+            idx = torch.tensor(greedy, dtype=torch.long, device=logits.device)
+            ids = logits.index_select(0, idx).argmax(dim=-1).tolist()
+            for i, t in zip(greedy, ids):
+                out[i] = t
+        sampled = [i for i, op in enumerate(ops) if not op.sampling.greedy]  # type: ignore[union-attr]
+        if sampled:
+            params = [ops[i].sampling for i in sampled]
+            rows = logits.index_select(0, torch.tensor(sampled, dtype=torch.long, device=logits.device))
+            probs = self._probs(rows, params)  # type: ignore[arg-type]
+            for j, i in enumerate(sampled):
+                g = self._generator(ops[i], logits.device)
+                out[i] = int(torch.multinomial(probs[j], 1, generator=g).item())
+        return out
+
+    @staticmethod
+    def _probs(rows: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        temps = torch.tensor([p.temperature for p in params], dtype=rows.dtype, device=rows.device)
+        rows = rows / temps.unsqueeze(1)
+        if any(p.top_k > 0 for p in params) or any(p.top_p < 1.0 for p in params):
+            sorted_logits, sorted_idx = rows.sort(dim=-1, descending=True)
+            vocab = rows.shape[1]
+            ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=rows.device)
+            ranks = torch.arange(vocab, device=rows.device).unsqueeze(0)
+            remove = ranks >= ks.unsqueeze(1)
+            top_ps = torch.tensor([p.top_p for p in params], dtype=rows.dtype, device=rows.device)
+            sorted_probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+            cum = sorted_probs.cumsum(dim=-1)
+            # keep the smallest prefix whose mass reaches top_p (the token crossing the threshold is kept)
+            remove |= (cum - sorted_probs) >= top_ps.unsqueeze(1)
+            sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+            rows = torch.full_like(rows, float("-inf")).scatter(1, sorted_idx, sorted_logits)
+        return rows.softmax(dim=-1)

@@ -1,0 +1,1 @@
+"""Local (per-engine) iteration scheduling. No torch."""

@@ -1,0 +1,208 @@
+"""Iteration-level scheduler: continuous batching with chunked prefill over a paged KV pool. No torch.
+
+Every iteration it builds a :class:`BatchPlan` under two budgets, ``max_batch_tokens`` (tokens pushed through
+the model) and ``max_num_seqs`` (running ops):
+
+    plan = [ decode ops (1 token each) | running prefills (chunks) | newly admitted ops (chunks) ]
+
+Order of service: running ops first (decodes before prefill chunks, each group by arrival), then admission
+of waiting ops in FCFS order. KV blocks are allocated for exactly the tokens scheduled. When the pool is
+short it first evicts the KV of idle contexts (least recently used), then preempts the most recently
+arrived running op (its context's KV is dropped and recomputed later: "recompute" preemption). A waiting op
+never preempts a running one. The pool is never over-committed and KV is never shared while writable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parrot.engine.context import Context, Op, OpStatus
+from parrot.engine.kv_cache.block_pool import BlockPool, OutOfBlocks
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Compute tokens [start, start + num_tokens) of ``op.ctx``; sample after it iff ``sample``."""
+
+    op: Op
+    start: int
+    num_tokens: int
+    sample: bool
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    chunks: tuple[Chunk, ...]
+    preempted: tuple[Op, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class TooLargeForPool(Exception):
+    """An op needs more KV blocks than the whole pool has; it can never run."""
+
+    def __init__(self, op: Op, needed: int, total: int) -> None:
+        super().__init__(f"context of {len(op.ctx.tokens)} tokens needs {needed} KV blocks; the pool has {total}")
+        self.op = op
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_batch_tokens: int) -> None:
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_batch_tokens = max_batch_tokens
+        self.waiting: list[Op] = []  # kept sorted by (arrival, seq_no)
+        self.running: list[Op] = []
+        self.idle_contexts: dict[str, Context] = {}  # contexts holding KV with no op (eviction candidates)
+        self.num_preemptions = 0
+
+    # ---- queue management (called by the engine loop) -----------------------------------------------------
+    def add(self, op: Op) -> None:
+        op.status = OpStatus.WAITING
+        self.idle_contexts.pop(op.ctx.id, None)
+        self.waiting.append(op)
+        self.waiting.sort(key=lambda o: o.sort_key)
+
+    def remove(self, op: Op) -> None:
+        """Take a finished/aborted op out of the queues (its context stays; see :meth:`park`)."""
+        if op in self.running:
+            self.running.remove(op)
+        elif op in self.waiting:
+            self.waiting.remove(op)
+
+    def park(self, ctx: Context) -> None:
+        """A context without an active op: its KV may be evicted under pressure."""
+        if ctx.block_table and not ctx.freed:
+            self.idle_contexts[ctx.id] = ctx
+
+    def forget(self, ctx: Context) -> None:
+        self.idle_contexts.pop(ctx.id, None)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # ---- KV accounting -------------------------------------------------------------------------------------
+    @staticmethod
+    def drop_kv(pool: BlockPool, ctx: Context) -> None:
+        pool.release(ctx.block_table)
+        ctx.block_table = []
+        ctx.num_computed = 0
+
+    def uncompute_tail(self, ctx: Context) -> None:
+        """Make the last token of a fully computed context uncomputed again (it must be re-run for logits).
+
+        If its block is shared, the context gives the block up (recomputing up to ``block_size`` tokens into a
+        fresh block) instead of writing into KV that another context reads.
+        """
+        bs = self.pool.block_size
+        last = ctx.block_table[-1]
+        if self.pool.refcount(last) == 1:
+            ctx.num_computed -= 1
+        else:
+            self.pool.release([last])
+            ctx.block_table.pop()
+            ctx.num_computed = len(ctx.block_table) * bs
+
+    def _grow(self, ctx: Context, upto: int) -> bool:
+        """Ensure blocks for tokens [0, upto). True on success; False (nothing changed) if the pool is short."""
+        need = self.pool.blocks_for(upto) - len(ctx.block_table)
+        if need <= 0:
+            return True
+        try:
+            ctx.block_table.extend(self.pool.allocate(need))
+            return True
+        except OutOfBlocks:
+            return False
+
+    def _evict(self, need_blocks: int, keep: Context) -> None:
+        """Free blocks without touching running ops: drop the KV of idle contexts (least recently used first),
+        then of contexts whose op is still waiting (youngest first; they recompute when admitted)."""
+        for ctx in sorted(self.idle_contexts.values(), key=lambda c: c.last_used):
+            if self.pool.num_free >= need_blocks:
+                return
+            self.drop_kv(self.pool, ctx)
+            del self.idle_contexts[ctx.id]
+        for op in reversed(self.waiting):
+            if self.pool.num_free >= need_blocks:
+                return
+            if op.ctx is not keep and op.ctx.block_table:
+                self.drop_kv(self.pool, op.ctx)
+
+    def _preempt(self, victim: Op) -> None:
+        self.running.remove(victim)
+        self.drop_kv(self.pool, victim.ctx)
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        victim.status = OpStatus.WAITING
+        self.waiting.append(victim)
+        self.waiting.sort(key=lambda o: o.sort_key)
+
+    # ---- planning ------------------------------------------------------------------------------------------
+    def schedule(self) -> BatchPlan:
+        """Build the next iteration. Raises TooLargeForPool for an op that can never fit (caller fails it)."""
+        budget = self.max_batch_tokens
+        chunks: list[Chunk] = []
+        preempted: list[Op] = []
+
+        decodes = [o for o in self.running if o.ctx.num_uncomputed <= 1]
+        prefills = [o for o in self.running if o.ctx.num_uncomputed > 1]
+        for op in sorted(decodes, key=lambda o: o.sort_key) + sorted(prefills, key=lambda o: o.sort_key):
+            if op not in self.running:  # preempted earlier in this loop
+                continue
+            chunk = self._plan_op(op, budget, may_preempt=True, preempted=preempted)
+            if chunk is None:
+                continue
+            chunks.append(chunk)
+            budget -= chunk.num_tokens
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            op = self.waiting[0]
+            if op in preempted:  # do not re-admit in the same iteration it was preempted
+                break
+            needed = self.pool.blocks_for(len(op.ctx.tokens) + 1)
+            if needed > self.pool.num_blocks:
+                raise TooLargeForPool(op, needed, self.pool.num_blocks)
+            chunk = self._plan_op(op, budget, may_preempt=False, preempted=preempted)
+            if chunk is None:
+                break  # FCFS: the head waits for memory
+            self.waiting.pop(0)
+            op.status = OpStatus.RUNNING
+            self.running.append(op)
+            chunks.append(chunk)
+            budget -= chunk.num_tokens
+        # an op planned early in this iteration may have been preempted by an older one later on
+        planned = tuple(c for c in chunks if c.op.status is OpStatus.RUNNING and c.op in self.running)
+        return BatchPlan(planned, tuple(preempted))
+
+    def _plan_op(self, op: Op, budget: int, *, may_preempt: bool, preempted: list[Op]) -> Chunk | None:
+        ctx = op.ctx
+        if op.is_generate and ctx.num_uncomputed == 0:
+            if ctx.last_hidden is not None:
+                return Chunk(op, ctx.num_computed, 0, sample=True)  # sample from the stored hidden state
+            self.uncompute_tail(ctx)
+        remaining = ctx.num_uncomputed
+        n = min(remaining, budget)
+        if n <= 0:
+            return None
+        while not self._grow(ctx, ctx.num_computed + n):
+            need = self.pool.blocks_for(ctx.num_computed + n) - len(ctx.block_table)
+            self._evict(need, keep=ctx)
+            if self.pool.num_free >= need:
+                continue
+            if not may_preempt:
+                return None
+            # Preempt the youngest running op; older work is never preempted for younger work, so if ``op``
+            # itself is the youngest it gives up its own KV and waits.
+            others = [o for o in self.running if o is not op]
+            youngest = max(others, key=lambda o: o.sort_key, default=None)
+            if youngest is None or youngest.sort_key < op.sort_key:
+                if op in self.running:
+                    self._preempt(op)
+                    preempted.append(op)
+                return None
+            self._preempt(youngest)
+            preempted.append(youngest)
+        reaches_end = ctx.num_computed + n == len(ctx.tokens)
+        return Chunk(op, ctx.num_computed, n, sample=op.is_generate and reaches_end)

@@ -1,0 +1,165 @@
+"""`parrot engine`: the builtin engine as its own FastAPI process (Fill / Generate / FreeContext over HTTP).
+
+Endpoints (prefix /engine/v1): fill, generate (JSON or SSE with ``stream``), free_context, status, tokenize,
+detokenize, model_info; plus /health. Errors are OpenAI-style bodies with the typed error's status and code.
+With a manager URL the engine registers itself and sends heartbeats carrying its status; standalone it serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from parrot.common.errors import ParrotError
+from parrot.common.sampling import SamplingParams
+from parrot.engine.interface import EngineClient
+from parrot.engine.wire import (
+    DetokenizeRequest,
+    FillRequest,
+    FreeRequest,
+    GenerateRequest,
+    TokenizeRequest,
+    to_json,
+)
+
+log = logging.getLogger(__name__)
+
+
+class EngineServerSettings(BaseSettings):
+    """Network side of `parrot engine` (the engine itself is configured by EngineSettings)."""
+
+    model_config = SettingsConfigDict(env_prefix="PARROT_ENGINE_SERVER_", extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(9000, ge=0, le=65535)
+    manager_url: str | None = Field(None, description="register with this manager and send heartbeats")
+    advertise_url: str | None = Field(None, description="URL the manager should call; default http://host:port")
+    heartbeat_s: float = Field(1.0, gt=0, le=60)
+
+
+def error_response(e: ParrotError) -> JSONResponse:
+    return JSONResponse(e.to_body(), status_code=e.status_code)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ParrotError)
+    async def _parrot(_: Request, e: ParrotError) -> JSONResponse:
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
+        errs = e.errors()
+        where = ".".join(str(x) for x in errs[0]["loc"][1:]) if errs else None
+        msg = f"invalid request: {where}: {errs[0]['msg']}" if errs else "invalid request"
+        body = {"error": {"message": msg, "type": "invalid_request_error", "param": where, "code": "invalid_request"}}
+        return JSONResponse(body, status_code=400)
+
+
+def create_engine_app(client: EngineClient, settings: EngineServerSettings | None = None) -> FastAPI:
+    settings = settings or EngineServerSettings()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = None
+        if settings.manager_url:
+            task = asyncio.create_task(_register_loop(client, settings))
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await client.close()
+
+    app = FastAPI(title="Parrot engine", lifespan=lifespan)
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "name": client.name}
+
+    @app.post("/engine/v1/fill")
+    async def fill(req: FillRequest) -> dict:
+        return to_json(await client.fill(req.token_ids, req.context_id, req.parent_context_id))
+
+    @app.post("/engine/v1/generate")
+    async def generate(req: GenerateRequest, request: Request):
+        sampling = SamplingParams.from_dict(req.sampling)
+        if not req.stream:
+            return to_json(await client.generate(sampling, req.context_id, req.parent_context_id))
+        stream = client.generate_stream(sampling, req.context_id, req.parent_context_id)
+        first = await anext(stream)  # errors before the first token still become a typed 4xx/5xx
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                yield f"data: {json.dumps(to_json(first))}\n\n"
+                async for chunk in stream:
+                    if await request.is_disconnected():
+                        break
+                    yield f"data: {json.dumps(to_json(chunk))}\n\n"
+            except ParrotError as e:
+                yield f"data: {json.dumps(e.to_body())}\n\n"
+            finally:
+                await stream.aclose()
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/engine/v1/free_context")
+    async def free_context(req: FreeRequest) -> dict:
+        await client.free_context(req.context_id)
+        return {"freed": req.context_id}
+
+    @app.get("/engine/v1/status")
+    async def status() -> dict:
+        return to_json(await client.status())
+
+    @app.post("/engine/v1/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict:
+        return {"token_ids": await client.tokenize(req.text)}
+
+    @app.post("/engine/v1/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict:
+        return {"text": await client.detokenize(req.token_ids)}
+
+    @app.get("/engine/v1/model_info")
+    async def model_info() -> dict:
+        return to_json(await client.model_info())
+
+    return app
+
+
+async def _register_loop(client: EngineClient, settings: EngineServerSettings) -> None:
+    """Register with the manager, then heartbeat with status; re-register whenever the manager forgets us."""
+    url = settings.advertise_url or f"http://{settings.host}:{settings.port}"
+    base = settings.manager_url.rstrip("/")
+    registered = False
+    async with httpx.AsyncClient(timeout=5.0) as http:
+        while True:
+            try:
+                status = to_json(await client.status())
+                if not registered:
+                    r = await http.post(f"{base}/api/v1/engines/register", json={"name": client.name, "url": url})
+                    r.raise_for_status()
+                    registered = True
+                    log.info("registered with manager %s as %s", base, client.name)
+                r = await http.post(f"{base}/api/v1/engines/{client.name}/heartbeat", json={"status": status})
+                if r.status_code == 404:
+                    registered = False  # the manager restarted or declared us dead: register again
+                else:
+                    r.raise_for_status()
+            except httpx.HTTPError as e:
+                registered = False
+                log.warning("manager %s unreachable (%s); retrying", base, e)
+            await asyncio.sleep(settings.heartbeat_s)

@@ -1,0 +1,40 @@
+"""EngineSettings: the one validated settings object of the builtin engine (env PARROT_ENGINE_*, CLI, config)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class EngineSettings(BaseSettings):
+    """Settings of one builtin engine. Unknown keys are rejected; invalid values raise with the field name."""
+
+    model_config = SettingsConfigDict(env_prefix="PARROT_ENGINE_", extra="forbid", validate_assignment=True)
+
+    name: str = Field("engine-0", description="engine name reported to the manager and in /status")
+    model: str | None = Field(None, description="GGUF file or HF safetensors dir; None = SmolLM2-135M default")
+    dtype: Literal["bfloat16", "float32"] = Field(
+        "bfloat16", description="compute dtype; bf16 uses the CPU's AMX/AVX512-BF16 matmul and is the default"
+    )
+    weight_quant: Literal["none", "int8"] = Field(
+        "int8", description="int8 weight-only kernels for small token counts (decode); bf16 GEMM for prefill"
+    )
+    device: str = Field("cpu", description="'cpu' or 'cuda' (CUDA when present)")
+    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads; None = all cores")
+    block_size: int = Field(16, ge=1, le=256, description="tokens per KV block")
+    kv_cache_tokens: int | None = Field(
+        None, ge=16, description="KV pool size in tokens (rounded up to blocks); None = from kv_cache_bytes"
+    )
+    kv_cache_bytes: int = Field(1 << 30, ge=1 << 20, description="KV pool size in bytes when kv_cache_tokens is None")
+    max_num_seqs: int = Field(64, ge=1, description="max sequences per iteration (decode batch)")
+    max_batch_tokens: int = Field(512, ge=16, description="per-iteration token budget (chunked prefill)")
+    max_model_len: int | None = Field(None, ge=16, description="context window; None = the model's")
+    seed: int = Field(0, description="base seed for sampling without an explicit per-request seed")
+
+    @model_validator(mode="after")
+    def _check(self) -> "EngineSettings":
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
+            raise ValueError("kv_cache_tokens must hold at least one block")
+        return self

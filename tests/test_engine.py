@@ -1,0 +1,209 @@
+"""The builtin engine on a tiny random LLaMA (real tokenizer): fork semantics, paging under pressure,
+sampling controls, context lifecycle and typed errors. fp32 so batched and solo runs agree exactly."""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import wait
+
+import pytest
+import torch
+
+from parrot.common.errors import ContextExists, ContextLengthExceeded, EngineError, UnknownContext
+from parrot.common.sampling import FinishReason, SamplingParams
+from parrot.engine.builder import build_engine
+from parrot.engine.config import ModelConfig
+from parrot.engine.models.llama import build_random_model
+from parrot.engine.settings import EngineSettings
+
+# untied head: a random tied head just echoes the last input token
+TINY = ModelConfig(
+    name="tiny-llama", arch="llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2,
+    num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+    max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,),
+)
+
+
+@pytest.fixture(scope="module")
+def default_tokenizer():
+    from parrot.common.errors import ModelNotFound
+    from parrot.engine.model_files import default_model_path
+    from parrot.engine.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(default_model_path())
+    except ModelNotFound as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def tiny_parts(default_tokenizer):
+    model = build_random_model(TINY, dtype=torch.float32, seed=0)
+    return model, default_tokenizer
+
+
+def make_engine(parts, **kw):
+    model, tok = parts
+    settings = EngineSettings(dtype="float32", weight_quant="none", **{"kv_cache_tokens": 4096, **kw})
+    return build_engine(settings, model=model, tokenizer=tok)
+
+
+@pytest.fixture
+def engine(tiny_parts):
+    eng = make_engine(tiny_parts)
+    yield eng
+    eng.shutdown()
+
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def run(fut):
+    return fut.result(timeout=60)
+
+
+@pytest.mark.parametrize("prefix_len", [16, 21, 32])
+def test_fork_equals_single_fill(engine, prefix_len):
+    rng = random.Random(prefix_len)
+    prefix = [rng.randrange(3, 40000) for _ in range(prefix_len)]
+    suffix = [rng.randrange(3, 40000) for _ in range(9)]
+    run(engine.fill(prefix, "parent"))
+    r = run(engine.fill(suffix, "child", parent_context_id="parent"))
+    assert r.context_len == prefix_len + 9
+    forked = run(engine.generate(GREEDY, "child"))
+    run(engine.fill(prefix + suffix, "whole"))
+    whole = run(engine.generate(GREEDY, "whole"))
+    assert forked.token_ids == whole.token_ids and len(whole.token_ids) == 12
+    assert len(set(whole.token_ids)) > 3  # the random model is not degenerate, so equality means something
+    # the child really shares the parent's full blocks
+    bs = engine.pool.block_size
+    shared = prefix_len // bs
+    assert engine.contexts["child"].block_table[:shared] == engine.contexts["parent"].block_table[:shared]
+
+
+def test_generate_continues_context_and_fill_after_generate(engine):
+    toks = list(range(100, 130))
+    run(engine.fill(toks, "a"))
+    g1 = run(engine.generate(SamplingParams(max_tokens=5, ignore_eos=True), "a"))
+    run(engine.fill([7, 8, 9], "a"))
+    g2 = run(engine.generate(GREEDY, "a"))
+    ref_tokens = toks + list(g1.token_ids) + [7, 8, 9]
+    run(engine.fill(ref_tokens, "ref"))
+    ref = run(engine.generate(GREEDY, "ref"))
+    assert g2.token_ids == ref.token_ids
+    assert g2.prompt_len == len(ref_tokens)
+
+
+def test_free_parent_with_children_is_safe(engine):
+    run(engine.fill(list(range(200, 240)), "p"))
+    run(engine.fill([5, 6], "c1", parent_context_id="p"))
+    before = run(engine.generate(GREEDY, "c1"))
+    run(engine.fill([5, 6], "c2", parent_context_id="p"))
+    run(engine.free_context("p"))
+    after = run(engine.generate(GREEDY, "c2"))
+    assert before.token_ids == after.token_ids
+    run(engine.free_context("c1"))
+    run(engine.free_context("c2"))
+    assert engine.pool.num_used == 0  # every block returned once all sharers are gone
+
+
+def test_typed_errors(engine):
+    with pytest.raises(UnknownContext):
+        run(engine.free_context("nope"))
+    with pytest.raises(UnknownContext):
+        run(engine.fill([1, 2], "x", parent_context_id="missing"))
+    run(engine.fill([1, 2, 3], "y"))
+    with pytest.raises(ContextExists):
+        run(engine.fill([4], "y", parent_context_id="other"))
+    with pytest.raises(ContextLengthExceeded):
+        run(engine.fill(list(range(3, 600)), "too-long"))
+    with pytest.raises(Exception) as ei:
+        engine.fill([10**9], "z")
+    assert "outside the vocabulary" in str(ei.value)
+    # a generate that reaches the model window ends with finish_reason=length
+    run(engine.fill(list(range(3, 505)), "near-end"))
+    r = run(engine.generate(SamplingParams(max_tokens=100, ignore_eos=True), "near-end"))
+    assert r.finish_reason is FinishReason.LENGTH and len(r.token_ids) == 512 - 502
+
+
+def test_free_aborts_running_generate(engine):
+    run(engine.fill(list(range(300, 320)), "long"))
+    fut = engine.generate(SamplingParams(max_tokens=400, ignore_eos=True), "long")
+    run(engine.free_context("long"))
+    res = run(fut)
+    assert res.finish_reason is FinishReason.ABORT and len(res.token_ids) < 400
+    fill_fut = engine.fill(list(range(3, 400)), "gone")
+    engine.free_context("gone")
+    with pytest.raises((EngineError, UnknownContext)):
+        run(fill_fut)
+
+
+def test_sampling_controls(engine):
+    run(engine.fill(list(range(400, 420)), "s"))
+    sp = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    a = run(engine.generate(sp, "s1", parent_context_id="s"))
+    # same seed, different batch company -> same tokens
+    futs = [engine.generate(sp.replace(seed=i), f"o{i}", parent_context_id="s") for i in range(5)]
+    b = engine.generate(sp, "s2", parent_context_id="s")
+    wait(futs)
+    assert run(b).token_ids == a.token_ids
+    # different seeds differ (with overwhelming probability at temperature 0.9)
+    assert len({tuple(run(f).token_ids) for f in futs}) > 1
+    # stop token ids end the generation
+    greedy = run(engine.generate(SamplingParams(max_tokens=8, ignore_eos=True), "g", parent_context_id="s"))
+    stop_tok = greedy.token_ids[3]
+    first = greedy.token_ids.index(stop_tok)
+    r = run(engine.generate(SamplingParams(max_tokens=8, stop_token_ids=(stop_tok,)), "g2", parent_context_id="s"))
+    assert r.finish_reason is FinishReason.STOP and r.token_ids == greedy.token_ids[: first + 1]
+    # min_tokens forbids the stop token early
+    r = run(engine.generate(SamplingParams(max_tokens=8, min_tokens=first + 2, stop_token_ids=(stop_tok,)),
+                            "g3", parent_context_id="s"))
+    assert stop_tok not in r.token_ids[: first + 2]
+    # stop strings: cut the text before the stop string
+    text = greedy.text
+    assert len(text) > 4
+    stop = text[2:4]
+    r = run(engine.generate(SamplingParams(max_tokens=8, stop=(stop,), ignore_eos=True), "g4", parent_context_id="s"))
+    assert r.finish_reason is FinishReason.STOP and r.text == text[: text.index(stop)]
+    # repetition penalty changes the greedy output of a repetitive random model or leaves it valid
+    r = run(engine.generate(SamplingParams(max_tokens=8, repetition_penalty=1.5, ignore_eos=True), "g5",
+                            parent_context_id="s"))
+    assert len(r.token_ids) == 8
+
+
+def test_streaming_chunks_add_up(engine):
+    run(engine.fill(list(range(500, 530)), "st"))
+    chunks = []
+    fut = engine.generate(SamplingParams(max_tokens=10, ignore_eos=True), "st",
+                          on_chunk=lambda ids, text, fin: chunks.append((ids, text, fin)))
+    res = run(fut)
+    assert [t for ids, _, _ in chunks for t in ids] == list(res.token_ids)
+    assert "".join(t for _, t, _ in chunks) == res.text
+    assert chunks[-1][2] is FinishReason.LENGTH and all(f is None for _, _, f in chunks[:-1])
+
+
+def test_64_concurrent_generates_under_small_pool(tiny_parts):
+    """64 mixed-length requests through a pool far too small for all of them: waiting and preemption happen,
+    and every output equals the one computed alone."""
+    rng = random.Random(7)
+    reqs = [([rng.randrange(3, 40000) for _ in range(rng.randrange(4, 90))], rng.randrange(2, 40)) for _ in range(64)]
+    solo = make_engine(tiny_parts, max_num_seqs=1)
+    try:
+        ref = []
+        for i, (p, n) in enumerate(reqs):
+            run(solo.fill(p, f"r{i}"))
+            ref.append(run(solo.generate(SamplingParams(max_tokens=n, ignore_eos=True), f"r{i}")).token_ids)
+    finally:
+        solo.shutdown()
+    eng = make_engine(tiny_parts, kv_cache_tokens=512, block_size=16, max_num_seqs=64, max_batch_tokens=128)
+    try:
+        gens = []
+        for i, (p, n) in enumerate(reqs):
+            eng.fill(p, f"c{i}")
+            gens.append(eng.generate(SamplingParams(max_tokens=n, ignore_eos=True), f"c{i}"))
+        outs = [run(f).token_ids for f in gens]
+        assert outs == ref
+        assert eng.scheduler.num_preemptions > 0  # the pool really was too small
+        assert eng.pool.num_used <= eng.pool.num_blocks
+    finally:
+        eng.shutdown()
