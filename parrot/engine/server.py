@@ -15,11 +15,11 @@ from collections.abc import AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from parrot.api.errors import install_error_handlers
 from parrot.common.errors import ParrotError
 from parrot.common.sampling import SamplingParams
 from parrot.engine.interface import EngineClient
@@ -45,24 +45,6 @@ class EngineServerSettings(BaseSettings):
     manager_url: str | None = Field(None, description="register with this manager and send heartbeats")
     advertise_url: str | None = Field(None, description="URL the manager should call; default http://host:port")
     heartbeat_s: float = Field(1.0, gt=0, le=60)
-
-
-def error_response(e: ParrotError) -> JSONResponse:
-    return JSONResponse(e.to_body(), status_code=e.status_code)
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ParrotError)
-    async def _parrot(_: Request, e: ParrotError) -> JSONResponse:
-        return error_response(e)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
-        errs = e.errors()
-        where = ".".join(str(x) for x in errs[0]["loc"][1:]) if errs else None
-        msg = f"invalid request: {where}: {errs[0]['msg']}" if errs else "invalid request"
-        body = {"error": {"message": msg, "type": "invalid_request_error", "param": where, "code": "invalid_request"}}
-        return JSONResponse(body, status_code=400)
 
 
 def create_engine_app(client: EngineClient, settings: EngineServerSettings | None = None) -> FastAPI:

@@ -1,0 +1,66 @@
+"""The FastAPI application: Parrot API + OpenAI-compatible API over a :class:`~parrot.manager.Manager`.
+
+``create_app(settings, engines)`` builds the app; its lifespan creates the manager (sessions, DAG executor,
+dispatcher, cleanup and heartbeat tasks) and the completion service in ``app.state`` and closes them on
+shutdown (every session's engine contexts are freed). The engines are owned by the caller: the app never
+closes them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+
+from parrot.api import engine_routes, openai_routes, parrot_routes
+from parrot.api.completions import CompletionService
+from parrot.api.errors import install_error_handlers
+from parrot.api.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from parrot.api.schemas import HealthResponse
+from parrot.api.settings import ServerSettings
+from parrot.engine.interface import EngineClient
+from parrot.manager.dispatcher import Policy
+from parrot.manager.engine_registry import EngineRegistry
+from parrot.manager.manager import Manager
+
+
+def create_app(settings: ServerSettings | None = None, engines: Sequence[EngineClient] = (), *,
+               policy: Policy | None = None) -> FastAPI:
+    settings = settings or ServerSettings()
+    engine_list = list(engines)
+    EngineRegistry(engine_list)  # fail fast on nameless or duplicate engines, before serving
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        manager = Manager(EngineRegistry(engine_list), policy=policy, config=settings.manager_config())
+        await manager.start()
+        app.state.manager = manager
+        app.state.completions = CompletionService(manager.dispatcher, max_n=settings.max_n)
+        app.state.started_at = time.time()
+        try:
+            yield
+        finally:
+            await manager.stop()
+
+    app = FastAPI(title="Parrot", version="0.1.0", lifespan=lifespan,
+                  description="LLM service for applications: Semantic Variables + OpenAI-compatible API")
+    app.state.settings = settings
+    install_error_handlers(app)
+    app.include_router(parrot_routes.router)
+    app.include_router(openai_routes.router)
+    app.include_router(engine_routes.router)
+
+    @app.get("/health", response_model=HealthResponse, tags=["ops"])
+    async def health(request: Request) -> HealthResponse:
+        manager: Manager = request.app.state.manager
+        engines_view = [{"name": e.name, "model": e.info.name if e.info else None, "healthy": e.healthy}
+                        for e in manager.registry.entries()]
+        return HealthResponse(status="ok", engines=engines_view)
+
+    # the last middleware added is the outermost: API key first, then the body limit
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    return app

@@ -1,0 +1,77 @@
+"""Chat prompt rendering with the model's own (HF-style) jinja2 chat template, sandboxed.
+
+Templates come from model files, i.e. from outside; they run in jinja2's ImmutableSandboxedEnvironment
+(no attribute access to internals, no mutation of inputs) with the helpers HF templates expect:
+``raise_exception(msg)`` and ``strftime_now(fmt)``. Compiled templates are cached per template string in
+the renderer instance (one per app, no module-global state).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from parrot.common.errors import InvalidRequestError
+from parrot.api.schemas import ChatMessage
+
+MAX_CACHED_TEMPLATES = 16
+
+
+class ChatTemplateError(InvalidRequestError):
+    code = "bad_chat_template"
+
+
+def message_dicts(messages: Sequence[ChatMessage]) -> list[dict]:
+    """Messages as the plain dicts templates expect; a list of text parts is joined with newlines."""
+    out = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        d = {"role": m.role, "content": content if content is not None else ""}
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+class ChatRenderer:
+    def __init__(self) -> None:
+        self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                  extensions=["jinja2.ext.loopcontrols"])
+        self._env.globals["raise_exception"] = _raise_exception
+        self._env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        self._cache: dict[str, jinja2.Template] = {}
+
+    def _compile(self, template: str) -> jinja2.Template:
+        compiled = self._cache.get(template)
+        if compiled is None:
+            try:
+                compiled = self._env.from_string(template)
+            except jinja2.TemplateError as e:
+                raise ChatTemplateError(f"the model's chat template does not compile: {e}") from None
+            if len(self._cache) >= MAX_CACHED_TEMPLATES:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[template] = compiled
+        return compiled
+
+    def render(self, template: str | None, messages: Sequence[ChatMessage], *, bos_token: str = "",
+               eos_token: str = "", add_generation_prompt: bool = True) -> str:
+        """The prompt text for ``messages``. Raises ChatTemplateError (400) if the model has no template or
+        the template rejects the conversation (e.g. roles out of order)."""
+        if not template:
+            raise ChatTemplateError("this model has no chat template; use /v1/completions", param="messages")
+        try:
+            return self._compile(template).render(messages=message_dicts(messages), bos_token=bos_token,
+                                                  eos_token=eos_token, add_generation_prompt=add_generation_prompt)
+        except ChatTemplateError:
+            raise
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError) as e:  # SecurityError is a TemplateError
+            raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}", param="messages") from None
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(f"chat template rejected the conversation: {message}", param="messages")

@@ -1,0 +1,158 @@
+"""Request/response models of the HTTP APIs (docs/api.md). Unknown fields are rejected (400 naming them)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_NAME_CHARS = 256
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---- Parrot API ---------------------------------------------------------------------------------------------
+class CreateSessionRequest(_Strict):
+    ttl_s: float | None = Field(None, gt=0, description="idle seconds before the session expires")
+
+
+class SessionResponse(BaseModel):
+    session_id: str
+    token: str
+    ttl_s: float
+
+
+class DeletedResponse(BaseModel):
+    deleted: bool
+
+
+class CreateVariableRequest(_Strict):
+    name: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    value: str | None = None
+
+
+class SetVariableRequest(_Strict):
+    value: str
+
+
+class VariableResponse(BaseModel):
+    var_id: str
+    name: str | None
+    status: Literal["pending", "ready"]
+    value: str | None
+
+
+class PlaceholderModel(_Strict):
+    name: str = Field(max_length=MAX_NAME_CHARS)
+    is_output: bool
+    var_id: str | None = None
+    sampling: dict[str, Any] | None = Field(None, description="parrot.common.sampling.SamplingParams fields")
+    transforms: list[dict[str, Any]] = Field(default_factory=list, description="declarative ops, in order")
+
+
+class SubmitRequest(_Strict):
+    prompt: str
+    placeholders: list[PlaceholderModel] = Field(max_length=256)
+    models: list[str] = Field(default_factory=list, max_length=16)
+    name: str | None = Field(None, max_length=MAX_NAME_CHARS, description="function name shown in DAG dumps")
+
+
+class SubmitResponse(BaseModel):
+    request_id: str
+    outputs: dict[str, str]  # output placeholder name -> var_id
+
+
+class DagResponse(BaseModel):
+    requests: list[dict[str, Any]]
+    variables: list[dict[str, Any]]
+    text: str
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"]
+    engines: list[dict[str, Any]]
+
+
+# ---- OpenAI-compatible API ------------------------------------------------------------------------------------
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM extras)."""
+
+    model: str
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    temperature: float | None = Field(None, description="default 1.0 (OpenAI)")
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = Field(None, description="-1 or 0 disables")
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, v: Any) -> Any:
+        if isinstance(v, list) and (not v or any(isinstance(x, list) and not x for x in v)):
+            raise ValueError("prompt must not be an empty list")
+        return v
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="default: up to the context window")
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "parrot"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

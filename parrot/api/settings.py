@@ -1,0 +1,34 @@
+"""Server settings: one validated object fed by init kwargs, environment (``PARROT_*``) and the CLI."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from parrot.manager.manager import ManagerConfig
+
+
+class ServerSettings(BaseSettings):
+    """Settings of the HTTP server and its manager. Invalid values raise a ValidationError (a ValueError)
+    naming the field; unknown keyword arguments are rejected."""
+
+    model_config = SettingsConfigDict(env_prefix="PARROT_", extra="forbid", frozen=True)
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: str | None = Field(None, min_length=1, description="require 'Authorization: Bearer <key>'")
+    session_ttl_s: float = Field(600.0, gt=0, description="default idle time before a session expires")
+    max_session_ttl_s: float = Field(86_400.0, gt=0)
+    session_cleanup_interval_s: float = Field(5.0, gt=0)
+    max_sessions: int = Field(10_000, ge=1)
+    max_nodes_per_session: int = Field(10_000, ge=1, description="variables + requests per session")
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    max_long_poll_s: float = Field(60.0, gt=0, le=60.0)
+    engine_heartbeat_s: float = Field(2.0, ge=0, description="engine status refresh period (0 = off)")
+    max_n: int = Field(16, ge=1, le=128, description="largest 'n' (choices) an OpenAI request may ask for")
+
+    def manager_config(self) -> ManagerConfig:
+        return ManagerConfig(session_ttl_s=self.session_ttl_s, max_session_ttl_s=self.max_session_ttl_s,
+                             max_sessions=self.max_sessions, max_nodes_per_session=self.max_nodes_per_session,
+                             cleanup_interval_s=self.session_cleanup_interval_s,
+                             heartbeat_interval_s=self.engine_heartbeat_s, max_long_poll_s=self.max_long_poll_s)

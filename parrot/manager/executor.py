@@ -1,0 +1,252 @@
+"""The graph executor (paper §5.1): runs a request the moment its inputs are materialized; values move
+server-side; failures propagate to every dependent.
+
+Event-driven, no polling: materializing or failing a variable walks its consumers (a worklist, so deep chains
+do not recurse) and starts each request whose inputs are now all READY as an asyncio task, or fails each one
+with a FAILED input. A request runs in one fresh engine context (tokens per template piece)::
+
+    | BOS? | text | input value | text | <gen out1> | text | <gen out2> |
+           ^boundary            ^boundary           ^boundary            (PrefixHash positions)
+
+fill everything before an output, generate the output (its tokens join the context), materialize it (so its
+consumers start right away, even before the request's later outputs), continue; free the context at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from parrot.common.errors import ParrotError, StepFailed, UnknownContext, UnknownSession
+from parrot.common.template import TextSegment
+from parrot.common.transforms import apply_transforms
+from parrot.manager.dispatcher import Dispatcher, DispatchRequest, Lease
+from parrot.manager.graph import PlaceholderBinding, RequestNode, RequestStatus, Variable, VarStatus
+from parrot.manager.perf import PerfCriteria
+from parrot.manager.prefix_store import ContextRef, PrefixHasher, PrefixStore
+from parrot.manager.session import Session
+
+logger = logging.getLogger(__name__)
+
+CLOSE_WAIT_S = 10.0  # how long closing a session waits for its cancelled tasks to finish their cleanup
+
+
+class GraphExecutor:
+    def __init__(self, dispatcher: Dispatcher, prefix_store: PrefixStore, *,
+                 on_activity: Callable[[Session], None] | None = None, clock: Callable[[], float] = time.time):
+        self.dispatcher = dispatcher
+        self.prefix_store = prefix_store
+        self._on_activity = on_activity or (lambda session: None)
+        self._clock = clock
+
+    # ---- entry points ---------------------------------------------------------------------------------------
+    def submitted(self, session: Session, req: RequestNode) -> None:
+        """A request was added to the graph: queue its known prefix hashes and start it if it is ready."""
+        self.prefix_store.add_queued(_key(session, req), self._known_boundaries(session, req))
+        self._advance(session, [req.request_id])
+
+    def set_value(self, session: Session, var_id: str, value: str) -> Variable:
+        """A client PUT: materialize a free variable and start what waited for it."""
+        session.graph.check_settable(var_id)
+        return self._materialize(session, var_id, value)
+
+    async def close_session(self, session: Session) -> None:
+        """Cancel the session's requests, fail its pending variables (waiting gets wake up with a StepFailed
+        whose cause is ``unknown_session``) and free every engine context it still holds."""
+        session.closed = True
+        tasks = list(session.tasks)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=CLOSE_WAIT_S)
+        graph = session.graph
+        for req in graph.requests.values():
+            self.prefix_store.remove_queued(_key(session, req))
+            if req.status not in (RequestStatus.FINISHED, RequestStatus.FAILED):
+                req.error = StepFailed(f"request {req.request_id} {req.label} cancelled: session "
+                                       f"{session.session_id!r} was closed", cause_code=UnknownSession.code)
+                graph.set_status(req, RequestStatus.FAILED)
+        for var in graph.variables.values():
+            graph.fail_variable(var.var_id, StepFailed(
+                f"variable {var.var_id!r} was never produced: session {session.session_id!r} was closed",
+                cause_code=UnknownSession.code))
+        for ctx in list(session.contexts):
+            await self._free(session, ctx)
+
+    # ---- propagation ----------------------------------------------------------------------------------------
+    def _materialize(self, session: Session, var_id: str, value: str) -> Variable:
+        var = session.graph.materialize(var_id, value)
+        self._advance(session, var.consumers)
+        return var
+
+    def _advance(self, session: Session, request_ids: Iterable[str]) -> None:
+        """Start each WAITING request whose inputs are all READY; fail (transitively) those with a failed input."""
+        graph = session.graph
+        work = deque(request_ids)
+        while work:
+            req = graph.request(work.popleft())
+            if req.status is not RequestStatus.WAITING or session.closed:
+                continue
+            ready, failed = graph.input_state(req)
+            if failed is not None:
+                assert failed.error is not None
+                name = next(b.name for b in req.bindings.values() if b.var_id == failed.var_id)
+                err = StepFailed(f"request {req.request_id} {req.label} not run: its input {name!r} "
+                                 f"({failed.var_id}) failed: {failed.error.message}",
+                                 cause_code=failed.error.cause_code)
+                work.extend(self._fail_request(session, req, err))
+            elif ready:
+                self._start(session, req)
+
+    def _fail_request(self, session: Session, req: RequestNode, err: StepFailed) -> list[str]:
+        """Fail ``req`` and its still-pending outputs; return the consumers to re-examine."""
+        graph = session.graph
+        req.error = err
+        graph.set_status(req, RequestStatus.FAILED)
+        self.prefix_store.remove_queued(_key(session, req))
+        consumers: list[str] = []
+        for vid in req.outputs:
+            if graph.fail_variable(vid, err):
+                consumers.extend(graph.variables[vid].consumers)
+        return consumers
+
+    def _fail(self, session: Session, req: RequestNode, err: StepFailed) -> None:
+        logger.info("session %s: %s", session.session_id, err.message)
+        self._advance(session, self._fail_request(session, req, err))
+
+    def _start(self, session: Session, req: RequestNode) -> None:
+        session.graph.set_status(req, RequestStatus.READY)
+        task = asyncio.create_task(self._execute(session, req), name=f"{session.session_id}/{req.request_id}")
+        session.tasks.add(task)
+        task.add_done_callback(session.tasks.discard)
+
+    # ---- execution ------------------------------------------------------------------------------------------
+    async def _execute(self, session: Session, req: RequestNode) -> None:
+        try:
+            lease = await self.dispatcher.acquire(self._dispatch_request(session, req))
+            with lease:
+                await self._run(session, req, lease)
+            session.graph.set_status(req, RequestStatus.FINISHED)
+        except asyncio.CancelledError:
+            raise  # the session is closing; close_session fails what is left and frees contexts
+        except ParrotError as e:
+            cause = e.cause_code if isinstance(e, StepFailed) else e.code
+            self._fail(session, req, StepFailed(f"request {req.request_id} {req.label} failed: {e.code}: "
+                                                f"{e.message}", cause_code=cause))
+        except Exception as e:  # a bug: log it with its traceback, still never leave a get hanging
+            logger.exception("request %s/%s crashed", session.session_id, req.request_id)
+            self._fail(session, req, StepFailed(f"request {req.request_id} {req.label} failed: internal "
+                                                f"error {type(e).__name__}: {e}", cause_code="internal_error"))
+        finally:
+            self._on_activity(session)
+
+    async def _run(self, session: Session, req: RequestNode, lease: Lease) -> None:
+        graph, client, info = session.graph, lease.client, lease.info
+        ctx = f"{req.request_id}-{secrets.token_hex(8)}"
+        req.engine, req.context_id = lease.engine, ctx
+        graph.set_status(req, RequestStatus.RUNNING)
+        self.prefix_store.remove_queued(_key(session, req))
+        session.contexts[ctx] = lease.engine  # before the first fill: a cancelled fill is still freed
+        try:
+            pending: list[int] = [info.bos_token_id] if info.add_bos and info.bos_token_id is not None else []
+            offset = len(pending)  # tokens in the context once `pending` is filled
+            hasher = PrefixHasher()
+            boundaries: list[tuple[str, int]] = []  # (prefix hash, token offset) not yet registered
+            for seg in req.segments:
+                if isinstance(seg, TextSegment):
+                    piece = seg.text
+                else:
+                    binding = req.bindings[seg.name]
+                    boundaries.append((hasher.hexdigest, offset))
+                    if binding.is_output:
+                        if pending:
+                            await client.fill(pending, ctx)
+                            pending = []
+                        self._register(boundaries, lease.engine, ctx)
+                        boundaries = []
+                        piece, n = await self._generate(session, req, binding, lease, ctx)
+                        offset += n
+                        hasher.update(piece)
+                        continue
+                    piece = _input_value(graph.variables[binding.var_id], binding)
+                toks = await client.tokenize(piece)
+                pending.extend(toks)
+                offset += len(toks)
+                hasher.update(piece)
+        finally:
+            await self._free(session, ctx)
+
+    async def _generate(self, session: Session, req: RequestNode, binding: PlaceholderBinding, lease: Lease,
+                        ctx: str) -> tuple[str, int]:
+        """Generate one output into ``ctx`` and materialize it; return (raw text, tokens generated)."""
+        assert binding.sampling is not None and binding.var_id is not None
+        started = self._clock()
+        result = await lease.client.generate(binding.sampling, ctx)
+        if req.times.first_token is None:
+            # the engine reports its time to first token (queueing included); the call started at `started`
+            req.times.first_token = min(started + result.ttft_s, self._clock())
+        value = apply_transforms(list(binding.transforms), result.text) if binding.transforms else result.text
+        self._materialize(session, binding.var_id, value)
+        return result.text, len(result.token_ids)
+
+    async def _free(self, session: Session, ctx: str) -> None:
+        engine = session.contexts.pop(ctx, None)
+        if engine is None:
+            return
+        self.prefix_store.remove_context(engine, ctx)
+        try:
+            await self.dispatcher.registry.entry(engine).client.free_context(ctx)
+        except UnknownContext:
+            pass  # never created (cancelled before the first fill) or already gone
+        except ParrotError as e:
+            logger.warning("freeing context %s on engine %s failed: %s", ctx, engine, e)
+
+    def _register(self, boundaries: list[tuple[str, int]], engine: str, ctx: str) -> None:
+        for prefix_hash, num_tokens in boundaries:
+            self.prefix_store.add_context(prefix_hash, ContextRef(engine, ctx, num_tokens))
+
+    # ---- helpers --------------------------------------------------------------------------------------------
+    def _known_boundaries(self, session: Session, req: RequestNode) -> list[str]:
+        """Boundary hashes computable now: up to the first input that is not ready, or the first output."""
+        hasher, out = PrefixHasher(), []
+        for seg in req.segments:
+            if isinstance(seg, TextSegment):
+                hasher.update(seg.text)
+                continue
+            out.append(hasher.hexdigest)
+            binding = req.bindings[seg.name]
+            var = session.graph.variables[binding.var_id]
+            if binding.is_output or var.status is not VarStatus.READY:
+                break
+            try:
+                hasher.update(_input_value(var, binding))
+            except ParrotError:
+                break
+        return out
+
+    def _dispatch_request(self, session: Session, req: RequestNode) -> DispatchRequest:
+        graph = session.graph
+        chars = sum(len(s.text) for s in req.segments if isinstance(s, TextSegment))
+        chars += sum(len(graph.variables[v].value or "") for v in req.inputs)
+        outputs = [b for b in req.bindings.values() if b.is_output]
+        perfs = {graph.get_perf_obj(b.var_id) for b in outputs}
+        perf = PerfCriteria.LATENCY if PerfCriteria.LATENCY in perfs else (
+            PerfCriteria.THROUGHPUT if PerfCriteria.THROUGHPUT in perfs else None)
+        return DispatchRequest(
+            request_id=req.request_id, session_id=session.session_id, models=req.models,
+            prompt_tokens=chars // 4,  # rough estimate before tokenization (the engine is not chosen yet)
+            max_new_tokens=sum(b.sampling.max_tokens for b in outputs if b.sampling is not None),
+            perf=perf, prefix_hashes=tuple(self._known_boundaries(session, req)))
+
+
+def _input_value(var: Variable, binding: PlaceholderBinding) -> str:
+    assert var.value is not None
+    return apply_transforms(list(binding.transforms), var.value) if binding.transforms else var.value
+
+
+def _key(session: Session, req: RequestNode) -> str:
+    return f"{session.session_id}/{req.request_id}"

@@ -1,0 +1,350 @@
+"""The per-session DAG of Semantic Variables and requests (paper §4.2) and its primitives.
+
+Nodes are variables and requests; edges are placeholders: a request *consumes* its input variables and
+*produces* its output variables. Invariants kept by :class:`Graph` (the only writer of node state):
+
+* a variable has at most one producer, and a variable the client set (PUT) has none;
+* the graph is acyclic: a submit whose outputs are upstream of its inputs is rejected (CycleError);
+* a variable's status only moves PENDING -> READY or PENDING -> FAILED, once; its event is set then.
+
+Variables are numbered ``%1, %2, ...`` in creation order; :meth:`Graph.dump_text` prints one SSA-like line
+per free variable and per request::
+
+    %1 = input task = 'a snake game'  [ready]
+    %2 = r_1 write_code(code) <- %1  [finished, engine e0, get:latency]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from parrot.common.errors import (
+    CycleError,
+    InvalidRequestError,
+    StepFailed,
+    UnknownVariable,
+    VariableAlreadySet,
+)
+from parrot.common.sampling import SamplingParams
+from parrot.common.template import PlaceholderSegment, Segment
+from parrot.common.transforms import Transform
+from parrot.manager.perf import PerfAnnotation, PerfCriteria
+
+
+class VarStatus(str, Enum):
+    PENDING = "pending"
+    READY = "ready"
+    FAILED = "failed"
+
+
+class RequestStatus(str, Enum):
+    WAITING = "waiting"  # some input is not materialized yet
+    READY = "ready"  # inputs materialized; waiting for the dispatcher to hand out an engine
+    RUNNING = "running"  # dispatched to an engine
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class PlaceholderBinding:
+    """One placeholder of a submitted request, bound to a variable of the session."""
+
+    name: str
+    is_output: bool
+    var_id: str | None  # None only before Graph.add_request binds a fresh output variable
+    sampling: SamplingParams | None = None  # outputs only
+    transforms: tuple[Transform, ...] = ()
+
+
+@dataclass
+class RequestTimes:
+    """Wall-clock (time.time) milestones of a request; None until reached."""
+
+    submitted: float
+    dispatched: float | None = None  # inputs ready and handed to an engine
+    first_token: float | None = None
+    finished: float | None = None  # finished or failed
+
+    def to_dict(self) -> dict:
+        return {"submitted": self.submitted, "dispatched": self.dispatched, "first_token": self.first_token,
+                "finished": self.finished}
+
+
+@dataclass(eq=False)
+class Variable:
+    var_id: str
+    number: int
+    name: str | None
+    status: VarStatus = VarStatus.PENDING
+    value: str | None = None
+    error: StepFailed | None = None
+    producer: str | None = None  # request id
+    consumers: list[str] = field(default_factory=list)  # request ids, in submit order, unique
+    perf: PerfAnnotation | None = None
+    _done: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+
+    @property
+    def done(self) -> bool:
+        return self.status is not VarStatus.PENDING
+
+    async def wait(self) -> None:
+        """Return once the variable is READY or FAILED."""
+        await self._done.wait()
+
+
+@dataclass(eq=False)
+class RequestNode:
+    request_id: str
+    number: int
+    name: str | None
+    segments: tuple[Segment, ...]
+    bindings: dict[str, PlaceholderBinding]  # placeholder name -> binding, template order
+    inputs: tuple[str, ...]  # distinct input var ids, template order
+    outputs: tuple[str, ...]  # output var ids, template order
+    models: tuple[str, ...]
+    times: RequestTimes
+    status: RequestStatus = RequestStatus.WAITING
+    engine: str | None = None
+    context_id: str | None = None
+    error: StepFailed | None = None
+
+    @property
+    def label(self) -> str:
+        outs = ", ".join(b.name for b in self.bindings.values() if b.is_output)
+        return f"{self.name or 'gen'}({outs})"
+
+
+class Graph:
+    """Variables and requests of one session. Not thread-safe: used from the event loop only."""
+
+    def __init__(self, session_id: str, *, max_nodes: int = 10_000, clock: Callable[[], float] = time.time):
+        self.session_id = session_id
+        self.max_nodes = max_nodes
+        self._clock = clock
+        self.variables: dict[str, Variable] = {}
+        self.requests: dict[str, RequestNode] = {}
+
+    # ---- lookup ---------------------------------------------------------------------------------------------
+    def variable(self, var_id: str) -> Variable:
+        var = self.variables.get(var_id)
+        if var is None:
+            raise UnknownVariable(f"unknown variable {var_id!r} in session {self.session_id!r}", param="var_id")
+        return var
+
+    def request(self, request_id: str) -> RequestNode:
+        return self.requests[request_id]
+
+    # ---- primitives (paper Fig. 8) ----------------------------------------------------------------------------
+    def get_producer(self, var_id: str) -> RequestNode | None:
+        producer = self.variable(var_id).producer
+        return self.requests[producer] if producer is not None else None
+
+    def get_consumers(self, var_id: str) -> list[RequestNode]:
+        return [self.requests[r] for r in self.variable(var_id).consumers]
+
+    def get_perf_obj(self, var_id: str) -> PerfCriteria | None:
+        perf = self.variable(var_id).perf
+        return perf.criteria if perf is not None else None
+
+    def set_perf_obj(self, var_id: str, criteria: PerfCriteria) -> None:
+        var = self.variable(var_id)
+        now = self._clock()
+        var.perf = PerfAnnotation(criteria, now) if var.perf is None else var.perf.merged(criteria, now)
+
+    # ---- building -------------------------------------------------------------------------------------------
+    def _check_capacity(self, new_nodes: int) -> None:
+        if len(self.variables) + len(self.requests) + new_nodes > self.max_nodes:
+            raise InvalidRequestError(f"session {self.session_id!r} reached its limit of {self.max_nodes} "
+                                      "variables + requests; create a new session")
+
+    def add_variable(self, name: str | None = None, value: str | None = None) -> Variable:
+        self._check_capacity(1)
+        number = len(self.variables) + 1
+        var = Variable(var_id=f"v_{number}", number=number, name=name)
+        self.variables[var.var_id] = var
+        if value is not None:
+            self.materialize(var.var_id, value)
+        return var
+
+    def check_settable(self, var_id: str) -> Variable:
+        """The variable a client may PUT a value into: pending and without a producer (409 otherwise)."""
+        var = self.variable(var_id)
+        if var.status is not VarStatus.PENDING:
+            raise VariableAlreadySet(f"variable {var_id!r} is already {var.status.value}", param="var_id")
+        if var.producer is not None:
+            raise VariableAlreadySet(f"variable {var_id!r} is produced by request {var.producer!r}; it cannot "
+                                     "be set by the client", param="var_id")
+        return var
+
+    def add_request(self, name: str | None, segments: Sequence[Segment], bindings: Sequence[PlaceholderBinding],
+                    models: Sequence[str] = ()) -> RequestNode:
+        """Insert a request. Validates everything before changing anything (a rejected submit leaves no trace).
+
+        Raises UnknownVariable (404) for unknown ids, VariableAlreadySet (409) for an output variable that
+        already holds a value, InvalidRequestError (400) for a variable with two producers, CycleError (400).
+        """
+        existing_outputs: dict[str, str] = {}  # var id -> placeholder name
+        for b in bindings:
+            if not b.is_output:
+                if b.var_id is None:
+                    raise InvalidRequestError(f"input placeholder {b.name!r} needs a var_id", param="placeholders")
+                self.variable(b.var_id)
+                continue
+            if b.var_id is None:
+                continue
+            var = self.variable(b.var_id)
+            if b.var_id in existing_outputs:
+                raise InvalidRequestError(f"variable {b.var_id!r} is bound to two outputs "
+                                          f"({existing_outputs[b.var_id]!r}, {b.name!r}); a variable has at most "
+                                          "one producer", param="placeholders")
+            if var.producer is not None:
+                raise InvalidRequestError(f"variable {b.var_id!r} (output {b.name!r}) already has a producer, "
+                                          f"request {var.producer!r}; a variable has at most one producer",
+                                          param="placeholders")
+            if var.status is not VarStatus.PENDING:
+                raise VariableAlreadySet(f"output {b.name!r}: variable {b.var_id!r} is already "
+                                         f"{var.status.value}", param="placeholders")
+            existing_outputs[b.var_id] = b.name
+        inputs = tuple(dict.fromkeys(b.var_id for b in bindings if not b.is_output))
+        self._check_acyclic(inputs, existing_outputs)
+        self._check_capacity(1 + sum(1 for b in bindings if b.is_output and b.var_id is None))
+
+        number = len(self.requests) + 1
+        request_id = f"r_{number}"
+        bound: dict[str, PlaceholderBinding] = {}
+        for b in bindings:
+            if b.is_output and b.var_id is None:
+                b = PlaceholderBinding(b.name, True, self.add_variable(b.name).var_id, b.sampling, b.transforms)
+            bound[b.name] = b
+        # keep the template order of placeholders (bindings may come in any order)
+        order = [s.name for s in segments if isinstance(s, PlaceholderSegment)]
+        bound = {n: bound[n] for n in order}
+        outputs = tuple(b.var_id for b in bound.values() if b.is_output)
+        req = RequestNode(request_id=request_id, number=number, name=name, segments=tuple(segments),
+                          bindings=bound, inputs=inputs, outputs=outputs, models=tuple(models),
+                          times=RequestTimes(submitted=self._clock()))
+        self.requests[request_id] = req
+        for vid in outputs:
+            self.variables[vid].producer = request_id
+        for vid in inputs:
+            self.variables[vid].consumers.append(request_id)
+        return req
+
+    def _check_acyclic(self, inputs: Iterable[str], outputs: dict[str, str]) -> None:
+        """Walk upstream from the inputs (each variable has at most one producer); meeting an output closes
+        a cycle."""
+        if not outputs:
+            return
+        seen: set[str] = set()
+        stack = list(inputs)
+        while stack:
+            vid = stack.pop()
+            if vid in seen:
+                continue
+            seen.add(vid)
+            if vid in outputs:
+                raise CycleError(f"output {outputs[vid]!r} (variable {vid!r}) is upstream of an input of the same "
+                                 "request: the submit would create a cycle", param="placeholders")
+            producer = self.variables[vid].producer
+            if producer is not None:
+                stack.extend(self.requests[producer].inputs)
+
+    # ---- state transitions (called by the executor) -------------------------------------------------------------
+    def materialize(self, var_id: str, value: str) -> Variable:
+        var = self.variable(var_id)
+        if var.status is not VarStatus.PENDING:
+            raise VariableAlreadySet(f"variable {var_id!r} is already {var.status.value}", param="var_id")
+        var.value, var.status = value, VarStatus.READY
+        var._done.set()
+        return var
+
+    def fail_variable(self, var_id: str, error: StepFailed) -> bool:
+        """Mark a pending variable failed; False (no change) if it was already done."""
+        var = self.variable(var_id)
+        if var.status is not VarStatus.PENDING:
+            return False
+        var.error, var.status = error, VarStatus.FAILED
+        var._done.set()
+        return True
+
+    def input_state(self, req: RequestNode) -> tuple[bool, Variable | None]:
+        """(all inputs ready, the first failed input or None)."""
+        ready = True
+        for vid in req.inputs:
+            var = self.variables[vid]
+            if var.status is VarStatus.FAILED:
+                return False, var
+            ready = ready and var.status is VarStatus.READY
+        return ready, None
+
+    def set_status(self, req: RequestNode, status: RequestStatus) -> None:
+        req.status = status
+        if status is RequestStatus.RUNNING:
+            req.times.dispatched = self._clock()
+        elif status in (RequestStatus.FINISHED, RequestStatus.FAILED):
+            req.times.finished = self._clock()
+
+    # ---- dumps ----------------------------------------------------------------------------------------------
+    def dump_text(self) -> str:
+        """Numbered lines: free variables first, then requests in submit order."""
+        lines: list[str] = []
+        for var in self.variables.values():
+            if var.producer is not None:
+                continue
+            value = "" if var.value is None else f" = {_short(var.value)}"
+            lines.append(f"%{var.number} = input {var.name or var.var_id}{value}  [{_var_notes(var)}]")
+        for req in self.requests.values():
+            outs = ", ".join(f"%{self.variables[v].number}" for v in req.outputs) or "_"
+            ins = ", ".join(f"%{self.variables[v].number}" for v in req.inputs)
+            notes = [req.status.value]
+            if req.engine:
+                notes.append(f"engine {req.engine}")
+            perfs = {self.variables[v].perf.criteria.value for v in req.outputs if self.variables[v].perf}
+            notes.extend(f"get:{p}" for p in sorted(perfs))
+            if req.error is not None:
+                notes.append(f"error {req.error.cause_code}")
+            arrow = f" <- {ins}" if ins else ""
+            lines.append(f"{outs} = {req.request_id} {req.label}{arrow}  [{', '.join(notes)}]")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {
+            "variables": [
+                {"var_id": v.var_id, "number": v.number, "name": v.name, "status": v.status.value,
+                 "producer": v.producer, "consumers": list(v.consumers),
+                 "perf": v.perf.criteria.value if v.perf else None,
+                 "value_chars": None if v.value is None else len(v.value),
+                 "error": _error_json(v.error)}
+                for v in self.variables.values()
+            ],
+            "requests": [
+                {"request_id": r.request_id, "number": r.number, "name": r.name, "label": r.label,
+                 "inputs": list(r.inputs), "outputs": list(r.outputs), "status": r.status.value,
+                 "engine": r.engine, "context_id": r.context_id, "timestamps": r.times.to_dict(),
+                 "error": _error_json(r.error)}
+                for r in self.requests.values()
+            ],
+        }
+
+
+def _short(text: str, limit: int = 40) -> str:
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def _var_notes(var: Variable) -> str:
+    notes = [var.status.value]
+    if var.perf is not None:
+        notes.append(f"get:{var.perf.criteria.value}")
+    if var.error is not None:
+        notes.append(f"error {var.error.cause_code}")
+    return ", ".join(notes)
+
+
+def _error_json(err: StepFailed | None) -> dict | None:
+    if err is None:
+        return None
+    return {"code": err.code, "cause": err.cause_code, "message": err.message}

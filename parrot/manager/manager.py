@@ -1,0 +1,172 @@
+"""The Parrot manager facade: sessions, variables, submit/get, DAG dumps, and its background tasks.
+
+One instance per server, created in the app lifespan (no module globals). The HTTP layer authenticates a
+session once (:meth:`Manager.session`) and passes the :class:`Session` to the other calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from parrot.common.errors import EngineUnavailable, InvalidRequestError, StepFailed
+from parrot.manager.dispatcher import Dispatcher, Policy
+from parrot.manager.engine_registry import EngineRegistry
+from parrot.manager.executor import GraphExecutor
+from parrot.manager.graph import RequestNode, Variable, VarStatus
+from parrot.manager.perf import PerfCriteria
+from parrot.manager.prefix_store import PrefixStore
+from parrot.manager.session import Session, SessionStore
+from parrot.manager.submit import SubmitSpec, build_bindings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ManagerConfig:
+    session_ttl_s: float = 600.0
+    max_session_ttl_s: float = 86_400.0
+    max_sessions: int = 10_000
+    max_nodes_per_session: int = 10_000
+    cleanup_interval_s: float = 5.0
+    heartbeat_interval_s: float = 2.0  # 0 disables periodic engine status refresh
+    max_long_poll_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("session_ttl_s", "max_session_ttl_s", "cleanup_interval_s", "max_long_poll_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.heartbeat_interval_s < 0:
+            raise ValueError(f"heartbeat_interval_s must be >= 0, got {self.heartbeat_interval_s!r}")
+        for name in ("max_sessions", "max_nodes_per_session"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class VariableView:
+    """What a GET answers (a snapshot; never the live node)."""
+
+    var_id: str
+    name: str | None
+    status: VarStatus
+    value: str | None
+
+
+@dataclass(frozen=True)
+class DagDump:
+    text: str
+    requests: list[dict]
+    variables: list[dict]
+
+
+class Manager:
+    def __init__(self, registry: EngineRegistry, *, policy: Policy | None = None,
+                 config: ManagerConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config or ManagerConfig()
+        self.registry = registry
+        self.dispatcher = Dispatcher(registry, policy)
+        self.prefix_store = PrefixStore()
+        self.sessions = SessionStore(default_ttl_s=self.config.session_ttl_s,
+                                     max_ttl_s=self.config.max_session_ttl_s, max_sessions=self.config.max_sessions,
+                                     max_nodes_per_session=self.config.max_nodes_per_session, clock=clock)
+        self.executor = GraphExecutor(self.dispatcher, self.prefix_store, on_activity=self.sessions.touch)
+        self._background: list[asyncio.Task] = []
+
+    # ---- lifecycle ------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Probe the engines and start the cleanup (and heartbeat) tasks."""
+        await self.registry.refresh()
+        self._background.append(asyncio.create_task(self._cleanup_loop(), name="parrot-session-cleanup"))
+        if self.config.heartbeat_interval_s > 0:
+            self._background.append(asyncio.create_task(
+                self.registry.heartbeat_loop(self.config.heartbeat_interval_s), name="parrot-heartbeat"))
+
+    async def stop(self) -> None:
+        """Cancel background tasks and close every session (freeing engine contexts)."""
+        for t in self._background:
+            t.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        self._background.clear()
+        for session in self.sessions.all():
+            self.sessions.pop(session.session_id)
+            await self.executor.close_session(session)
+
+    async def _cleanup_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.cleanup_interval_s)
+            try:
+                await self.expire_sessions()
+            except Exception:  # keep the loop alive; a bug here must not stop future cleanups
+                logger.exception("session cleanup failed")
+
+    async def expire_sessions(self) -> int:
+        """Close every expired session now; returns how many were closed."""
+        expired = self.sessions.pop_expired()
+        for session in expired:
+            logger.info("session %s expired (idle > %.0f s)", session.session_id, session.ttl_s)
+            await self.executor.close_session(session)
+        return len(expired)
+
+    # ---- sessions -------------------------------------------------------------------------------------------
+    def create_session(self, ttl_s: float | None = None) -> Session:
+        return self.sessions.create(ttl_s)
+
+    def session(self, session_id: str, token: str | None) -> Session:
+        """Authenticate; raises UnknownSession (404) or InvalidSessionToken (401)."""
+        return self.sessions.authenticate(session_id, token)
+
+    async def delete_session(self, session: Session) -> None:
+        self.sessions.pop(session.session_id)
+        await self.executor.close_session(session)
+
+    # ---- variables ------------------------------------------------------------------------------------------
+    def create_variable(self, session: Session, name: str | None = None, value: str | None = None) -> Variable:
+        return session.graph.add_variable(name, value)
+
+    def set_variable(self, session: Session, var_id: str, value: str) -> Variable:
+        return self.executor.set_value(session, var_id, value)
+
+    async def get_variable(self, session: Session, var_id: str, *, criteria: str | PerfCriteria | None = None,
+                           timeout_s: float = 0.0) -> VariableView:
+        """The variable's value, waiting up to ``timeout_s`` (capped) for it. Records ``criteria`` first
+        (GetPerfObj), even if the value stays pending. Raises the StepFailed of a failed producer (424)."""
+        if timeout_s < 0:
+            raise InvalidRequestError(f"timeout must be >= 0, got {timeout_s}", param="timeout")
+        graph = session.graph
+        var = graph.variable(var_id)
+        perf = PerfCriteria.parse(criteria)
+        if perf is not None:
+            graph.set_perf_obj(var_id, perf)
+        timeout_s = min(timeout_s, self.config.max_long_poll_s)
+        if not var.done and timeout_s > 0:
+            try:
+                await asyncio.wait_for(var.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+            self.sessions.touch(session)
+        if var.status is VarStatus.FAILED:
+            assert var.error is not None
+            # a fresh exception per get (the stored one is shared by every waiter)
+            raise StepFailed(var.error.message, cause_code=var.error.cause_code, param="var_id")
+        return VariableView(var.var_id, var.name, var.status, var.value)
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    def submit(self, session: Session, spec: SubmitSpec) -> RequestNode:
+        """Validate and insert a request; it starts as soon as its inputs are materialized."""
+        segments, bindings = build_bindings(spec)
+        if spec.models:
+            try:
+                self.registry.candidates(tuple(spec.models))  # 404 now for a model nobody serves
+            except EngineUnavailable:
+                pass  # served but unhealthy right now: the request may still run after a heartbeat
+        req = session.graph.add_request(spec.name, segments, bindings, tuple(spec.models))
+        self.executor.submitted(session, req)
+        return req
+
+    def dag(self, session: Session) -> DagDump:
+        data = session.graph.to_json()
+        return DagDump(text=session.graph.dump_text(), requests=data["requests"], variables=data["variables"])

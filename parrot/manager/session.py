@@ -1,0 +1,95 @@
+"""Sessions: one application instance of a tenant, with its DAG, secret token, running tasks and contexts.
+
+Ids and tokens come from :mod:`secrets` (unguessable). A session expires ``ttl_s`` seconds after its last
+access (any authenticated call or a request of it finishing); the manager's cleanup task closes expired
+sessions, which cancels their requests and frees their engine contexts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from parrot.common.errors import InvalidRequestError, InvalidSessionToken, UnknownSession
+from parrot.manager.graph import Graph
+
+
+@dataclass(eq=False)
+class Session:
+    session_id: str
+    token: str
+    ttl_s: float
+    graph: Graph
+    last_access: float  # monotonic clock of the store
+    created_at: float = field(default_factory=time.time)
+    # asyncio tasks executing requests of this session (removed when done)
+    tasks: set[asyncio.Task] = field(default_factory=set)
+    # live engine contexts owned by the session: context id -> engine name (freed by whoever removes them)
+    contexts: dict[str, str] = field(default_factory=dict)
+    closed: bool = False
+
+    def expired(self, now: float) -> bool:
+        return now - self.last_access > self.ttl_s
+
+
+class SessionStore:
+    """Owns the session table. ``clock`` is monotonic (TTL arithmetic); tests inject a fake one."""
+
+    def __init__(self, *, default_ttl_s: float = 600.0, max_ttl_s: float = 86_400.0, max_sessions: int = 10_000,
+                 max_nodes_per_session: int = 10_000, clock: Callable[[], float] = time.monotonic) -> None:
+        if not 0 < default_ttl_s <= max_ttl_s:
+            raise ValueError(f"default_ttl_s must be in (0, max_ttl_s={max_ttl_s}], got {default_ttl_s}")
+        self.default_ttl_s = default_ttl_s
+        self.max_ttl_s = max_ttl_s
+        self.max_sessions = max_sessions
+        self.max_nodes_per_session = max_nodes_per_session
+        self.clock = clock
+        self._sessions: dict[str, Session] = {}
+
+    def create(self, ttl_s: float | None = None) -> Session:
+        ttl = self.default_ttl_s if ttl_s is None else float(ttl_s)
+        if not 0 < ttl <= self.max_ttl_s:
+            raise InvalidRequestError(f"ttl_s must be in (0, {self.max_ttl_s}], got {ttl_s}", param="ttl_s")
+        if len(self._sessions) >= self.max_sessions:
+            raise InvalidRequestError(f"too many open sessions (limit {self.max_sessions}); delete unused ones")
+        sid = "s_" + secrets.token_urlsafe(18)
+        session = Session(session_id=sid, token=secrets.token_urlsafe(32), ttl_s=ttl,
+                          graph=Graph(sid, max_nodes=self.max_nodes_per_session), last_access=self.clock())
+        self._sessions[sid] = session
+        return session
+
+    def authenticate(self, session_id: str, token: str | None) -> Session:
+        """The session if ``token`` matches (constant-time compare); touches it.
+
+        Raises UnknownSession (404) for an unknown or expired id, InvalidSessionToken (401) for a bad token.
+        """
+        session = self._sessions.get(session_id)
+        if session is None or session.expired(self.clock()):
+            raise UnknownSession(f"unknown session {session_id!r} (deleted or expired?)", param="session_id")
+        if not token or not secrets.compare_digest(token.encode(), session.token.encode()):
+            raise InvalidSessionToken(f"missing or wrong session token for session {session_id!r} "
+                                      "(header X-Parrot-Session-Token)", param="X-Parrot-Session-Token")
+        self.touch(session)
+        return session
+
+    def touch(self, session: Session) -> None:
+        session.last_access = self.clock()
+
+    def pop(self, session_id: str) -> Session | None:
+        return self._sessions.pop(session_id, None)
+
+    def pop_expired(self) -> list[Session]:
+        now = self.clock()
+        expired = [s for s in self._sessions.values() if s.expired(now)]
+        for s in expired:
+            del self._sessions[s.session_id]
+        return expired
+
+    def all(self) -> list[Session]:
+        return list(self._sessions.values())
+
+    def __len__(self) -> int:
+        return len(self._sessions)

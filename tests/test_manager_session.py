@@ -1,0 +1,160 @@
+"""Sessions: auth, TTL expiry (manual and by the background task) freeing engine contexts, deletion,
+engine dispatch, and the no-torch rule for the manager."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from parrot.common.errors import (
+    EngineUnavailable,
+    InvalidRequestError,
+    InvalidSessionToken,
+    StepFailed,
+    UnknownModel,
+    UnknownSession,
+)
+from parrot.manager import DispatchRequest, EngineRegistry, LeastLoadedPolicy, Manager, ManagerConfig
+from parrot.manager.submit import PlaceholderSpec, SubmitSpec
+from fakes import FakeEngine
+
+
+def _blocked_request(mgr, session):
+    return mgr.submit(session, SubmitSpec("hello {{output:y}}", [PlaceholderSpec("y", True)]))
+
+
+def test_session_auth_and_limits():
+    async def main():
+        mgr = Manager(EngineRegistry([FakeEngine()]), config=ManagerConfig(heartbeat_interval_s=0, max_sessions=2))
+        s = mgr.create_session(ttl_s=30)
+        assert s.session_id.startswith("s_") and len(s.session_id) > 20 and len(s.token) >= 40
+        assert mgr.session(s.session_id, s.token) is s
+        with pytest.raises(InvalidSessionToken) as e:
+            mgr.session(s.session_id, "wrong")
+        assert e.value.status_code == 401 and e.value.code == "invalid_session_token"
+        with pytest.raises(InvalidSessionToken):
+            mgr.session(s.session_id, None)
+        with pytest.raises(UnknownSession) as e:
+            mgr.session("s_nope", s.token)
+        assert e.value.status_code == 404
+        with pytest.raises(InvalidRequestError):
+            mgr.create_session(ttl_s=-1)
+        mgr.create_session()
+        with pytest.raises(InvalidRequestError, match="too many"):
+            mgr.create_session()
+
+    asyncio.run(main())
+
+
+def test_ttl_expiry_closes_session_frees_contexts_and_fails_waiting_gets():
+    now = [1000.0]
+
+    async def main():
+        eng = FakeEngine()
+        eng.gate = asyncio.Event()  # the request stays running (its context alive) until expiry
+        mgr = Manager(EngineRegistry([eng]), config=ManagerConfig(heartbeat_interval_s=0), clock=lambda: now[0])
+        await mgr.start()
+        try:
+            s = mgr.create_session(ttl_s=10)
+            req = _blocked_request(mgr, s)
+            waiting = asyncio.create_task(mgr.get_variable(s, req.outputs[0], timeout_s=30))
+            await asyncio.sleep(0.05)
+            assert set(eng.contexts) == {req.context_id}
+            now[0] += 5
+            assert await mgr.expire_sessions() == 0
+            now[0] += 11
+            assert await mgr.expire_sessions() == 1
+            assert eng.contexts == {} and eng.freed == [req.context_id]
+            with pytest.raises(StepFailed) as e:
+                await asyncio.wait_for(waiting, 5)
+            assert e.value.cause_code == "unknown_session"
+            with pytest.raises(UnknownSession):
+                mgr.session(s.session_id, s.token)
+            assert s.tasks == set()
+        finally:
+            await mgr.stop()
+
+    asyncio.run(main())
+
+
+def test_background_cleanup_task_expires_idle_sessions():
+    async def main():
+        eng = FakeEngine()
+        eng.gate = asyncio.Event()
+        mgr = Manager(EngineRegistry([eng]), config=ManagerConfig(heartbeat_interval_s=0, cleanup_interval_s=0.05))
+        await mgr.start()
+        try:
+            s = mgr.create_session(ttl_s=0.2)
+            keep = mgr.create_session(ttl_s=60)
+            _blocked_request(mgr, s)
+            await asyncio.sleep(0.05)
+            assert len(eng.contexts) == 1
+            for _ in range(100):  # bounded wait for the cleanup task
+                if not eng.contexts:
+                    break
+                await asyncio.sleep(0.02)
+            assert eng.contexts == {} and len(eng.freed) == 1
+            assert [x.session_id for x in mgr.sessions.all()] == [keep.session_id]
+        finally:
+            await mgr.stop()
+
+    asyncio.run(main())
+
+
+def test_delete_session_and_stop_free_contexts():
+    async def main():
+        eng = FakeEngine()
+        eng.gate = asyncio.Event()
+        mgr = Manager(EngineRegistry([eng]), config=ManagerConfig(heartbeat_interval_s=0))
+        await mgr.start()
+        a, b = mgr.create_session(), mgr.create_session()
+        _blocked_request(mgr, a)
+        _blocked_request(mgr, b)
+        await asyncio.sleep(0.05)
+        assert len(eng.contexts) == 2
+        await mgr.delete_session(a)
+        assert len(eng.contexts) == 1
+        await mgr.stop()  # closes the remaining session
+        assert eng.contexts == {} and len(eng.freed) == 2
+
+    asyncio.run(main())
+
+
+def test_least_loaded_dispatch_and_model_filter():
+    async def main():
+        e0, e1, other = FakeEngine("e0"), FakeEngine("e1"), FakeEngine("e2", model="other-model")
+        mgr = Manager(EngineRegistry([e0, e1, other]), policy=LeastLoadedPolicy(),
+                      config=ManagerConfig(heartbeat_interval_s=0))
+        await mgr.start()
+        try:
+            d = mgr.dispatcher
+            l1 = await d.acquire(DispatchRequest("a", models=("fake-model",), prompt_tokens=10))
+            l2 = await d.acquire(DispatchRequest("b", models=("fake-model",), prompt_tokens=10))
+            assert {l1.engine, l2.engine} == {"e0", "e1"}
+            l1.release()
+            l1.release()  # idempotent
+            l3 = await d.acquire(DispatchRequest("c", models=("fake-model",)))
+            assert l3.engine == l1.engine
+            assert (await d.acquire(DispatchRequest("d", models=("other-model",)))).engine == "e2"
+            with pytest.raises(UnknownModel):
+                await d.acquire(DispatchRequest("e", models=("missing",)))
+            for entry in mgr.registry.entries():
+                entry.healthy = False
+            with pytest.raises(EngineUnavailable):
+                await d.acquire(DispatchRequest("f"))
+            await mgr.registry.refresh()  # heartbeats heal them
+            assert (await d.acquire(DispatchRequest("g"))).engine in {"e0", "e1", "e2"}
+        finally:
+            await mgr.stop()
+
+    asyncio.run(main())
+
+
+def test_manager_does_not_import_torch():
+    code = ("import sys, parrot.manager, parrot.manager.executor, parrot.manager.session; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
