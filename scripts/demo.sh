@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Set up (idempotent), start `parrot serve` on the default model (SmolLM2-135M-Instruct, CPU), run the paper's
+# apps against it (Fig. 7 snake game, a two-output template, chain and map-reduce summaries), and stop the server.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+PORT=${PARROT_PORT:-8000}
+export PARROT_URL="http://127.0.0.1:${PORT}"
+.venv/bin/parrot serve --port "$PORT" &
+SERVER=$!
+trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null' EXIT
+for _ in $(seq 1 300); do
+  curl -sf "$PARROT_URL/health" >/dev/null 2>&1 && break
+  kill -0 $SERVER 2>/dev/null || { echo "parrot serve exited" >&2; exit 1; }
+  sleep 1
+done
+for app in snake_game multi_output chain_summary map_reduce_summary; do
+  echo "=== examples/${app}.py"
+  .venv/bin/python "examples/${app}.py"
+done
