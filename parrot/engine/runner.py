@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from parrot.engine.context import Context, Op
-from parrot.engine.layers.attention import DecodeMeta, PagedAttention, PrefillMeta
+from parrot.engine.layers.attention import BlockRef, DecodeMeta, PagedAttention, PrefillMeta
 from parrot.engine.sampler import Sampler
 from parrot.engine.scheduler.scheduler import BatchPlan, Chunk
 
@@ -114,7 +114,7 @@ class ModelRunner:
         if min(lens) != max_len:
             lt = torch.tensor(lens, device=dev)
             mask = (torch.arange(max_len, device=dev).unsqueeze(0) < lt.unsqueeze(1)).view(len(decodes), 1, 1, max_len)
-        return DecodeMeta(len(decodes), torch.tensor(table, dtype=torch.long, device=dev), max_len, mask)
+        return DecodeMeta(len(decodes), BlockRef.of(table, dev), max_len, mask)
 
     def _prefill_meta(self, c: Chunk, row0: int) -> PrefillMeta:
         if c.start == 0:
@@ -122,7 +122,7 @@ class ModelRunner:
         bs = self.block_size
         L = c.start + c.num_tokens
         dev = self.device
-        blocks = torch.tensor(c.op.ctx.block_table[: -(-L // bs)], dtype=torch.long, device=dev)
+        blocks = BlockRef.of([c.op.ctx.block_table[: -(-L // bs)]], dev)
         q_pos = torch.arange(c.start, L, device=dev).unsqueeze(1)
         mask = torch.arange(L, device=dev).unsqueeze(0) <= q_pos
         return PrefillMeta(row0, c.num_tokens, c.start, blocks, mask)

@@ -26,14 +26,40 @@ class PrefillMeta:
     row0: int  # first row of the chunk in the flat batch
     num_tokens: int
     start: int  # position of the chunk's first token in its context
-    block_ids: torch.Tensor | None  # blocks covering [0, start + num_tokens) when start > 0
+    blocks: "BlockRef | None"  # blocks covering [0, start + num_tokens) when start > 0
     mask: torch.Tensor | None  # bool [num_tokens, start + num_tokens] when start > 0
+
+
+@dataclass
+class BlockRef:
+    """Which blocks to read, row-major [B, n] (B = 1 for one sequence). When the ids are one consecutive run
+    (the common case for a single sequence: the pool hands out blocks in order) ``first`` is set and the read
+    is a view of the cache instead of a gather."""
+
+    ids: torch.Tensor  # long [B * n]
+    batch: int
+    first: int | None = None
+
+    def read(self, cache: torch.Tensor) -> torch.Tensor:
+        """cache [num_blocks, bs, n_kv, hd] -> [B, n * bs, n_kv, hd]."""
+        nb, bs, n_kv, hd = cache.shape
+        if self.first is not None:
+            return cache[self.first : self.first + self.ids.numel()].view(1, -1, n_kv, hd)
+        return cache.view(nb, -1).index_select(0, self.ids).view(self.batch, -1, n_kv, hd)
+
+    @staticmethod
+    def of(rows: list[list[int]], device: torch.device) -> "BlockRef":
+        flat = [b for r in rows for b in r]
+        first = None
+        if len(rows) == 1 and flat == list(range(flat[0], flat[0] + len(flat))):
+            first = flat[0]
+        return BlockRef(torch.tensor(flat, dtype=torch.long, device=device), len(rows), first)
 
 
 @dataclass
 class DecodeMeta:
     num_seqs: int
-    block_table: torch.Tensor  # long [B, max_blocks] (padded with block 0)
+    blocks: BlockRef  # [B, max_blocks] (padded with block 0)
     max_len: int  # longest context among the decode rows (tokens)
     mask: torch.Tensor | None  # bool [B, 1, 1, max_len], True = attend; None when all have max_len
 
@@ -67,8 +93,8 @@ class PagedAttention:
         if d is not None:
             B = d.num_seqs
             qd = q[:B].unsqueeze(2)  # [B, H, 1, hd]
-            kd = k_cache[d.block_table].view(B, -1, n_kv, hd)[:, : d.max_len].transpose(1, 2)
-            vd = v_cache[d.block_table].view(B, -1, n_kv, hd)[:, : d.max_len].transpose(1, 2)
+            kd = d.blocks.read(k_cache)[:, : d.max_len].transpose(1, 2)
+            vd = d.blocks.read(v_cache)[:, : d.max_len].transpose(1, 2)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=self.scale, enable_gqa=gqa)
             outs.append(od.reshape(B, n_heads * hd))
         for p in self.prefills:
@@ -79,8 +105,8 @@ class PagedAttention:
                 op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=gqa)
             else:
                 L = p.start + p.num_tokens
-                kp = k_cache[p.block_ids].view(-1, n_kv, hd)[:L].transpose(0, 1).unsqueeze(0)
-                vp = v_cache[p.block_ids].view(-1, n_kv, hd)[:L].transpose(0, 1).unsqueeze(0)
+                kp = p.blocks.read(k_cache)[:, :L].transpose(1, 2)
+                vp = p.blocks.read(v_cache)[:, :L].transpose(1, 2)
                 op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=self.scale, enable_gqa=gqa)
             outs.append(op.squeeze(0).transpose(0, 1).reshape(p.num_tokens, n_heads * hd))
         return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
