@@ -207,3 +207,18 @@ def test_64_concurrent_generates_under_small_pool(tiny_parts):
         assert eng.pool.num_used <= eng.pool.num_blocks
     finally:
         eng.shutdown()
+
+
+def test_prefix_cache_serves_unstructured_repeats(engine):
+    """A plain request whose token prefix was computed before (context since freed) reuses the cached blocks."""
+    toks = list(range(600, 650))  # 3 full blocks + 2 tokens
+    run(engine.fill(toks, "first"))
+    ref = run(engine.generate(GREEDY, "first"))
+    run(engine.free_context("first"))
+    assert engine.pool.num_cached >= 3
+    r = run(engine.fill(toks, "again"))
+    assert r.num_cached == 48
+    again = run(engine.generate(GREEDY, "again"))
+    assert again.token_ids == ref.token_ids
+    st = engine.status()
+    assert st.extra["prefix_cache_hit_blocks"] >= 3

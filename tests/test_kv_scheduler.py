@@ -121,3 +121,43 @@ def test_uncompute_tail_does_not_write_shared_block():
     assert (c.start, c.num_tokens) == (16, 16) and child.block_table[0] == blocks[0]
     assert child.block_table[1] != blocks[1] and pool.refcount(blocks[1]) == 1
     assert parent.block_table == blocks
+
+
+def test_prefix_cache_reuses_released_blocks_and_evicts_lru():
+    from parrot.engine.kv_cache.block_pool import chain_hashes
+
+    pool = BlockPool(6, 4)
+    toks = list(range(100, 112))  # 3 full blocks
+    hashes = chain_hashes(toks, 4)
+    a = pool.allocate(3)
+    for b, h in zip(a, hashes):
+        pool.register(b, h)
+    pool.release(a)
+    assert pool.num_used == 0 and pool.num_cached == 3 and pool.num_free == 6
+    # a context with the same first 2 blocks and a different third
+    other = chain_hashes(toks[:8] + [1, 2, 3, 4], 4)
+    got = pool.match(other)
+    assert got == a[:2] and pool.num_cached == 1 and pool.refcount(a[0]) == 1
+    # allocation takes truly free blocks first, then evicts the LRU cached block
+    fresh = pool.allocate(4)
+    assert a[2] in fresh and pool.num_evicted == 1 and pool.num_cached == 0
+    assert pool.match(hashes) == a[:2]  # block 3's entry is gone, the chain stops there
+
+
+def test_scheduler_matches_cached_prefix_on_admission():
+    pool = BlockPool(16, 4)
+    s = Scheduler(pool, max_num_seqs=8, max_batch_tokens=256)
+    first = _fill("a", 14, 0)
+    s.add(first)
+    plan = s.schedule()
+    _apply(plan)
+    ctx = first.ctx
+    for i, h in enumerate(ctx.block_hashes(ctx.num_computed // 4, 4)):
+        pool.register(ctx.block_table[i], h)
+    s.remove(first)
+    Scheduler.drop_kv(pool, ctx)  # context freed: its 3 full blocks stay cached
+    second = _fill("b", 14, 1)  # same tokens
+    s.add(second)
+    plan = s.schedule()
+    (c,) = plan.chunks
+    assert (c.start, c.num_tokens) == (12, 2) and second.num_cached == 12

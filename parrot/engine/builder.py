@@ -44,7 +44,7 @@ def build_engine(settings: EngineSettings, *, model=None, tokenizer=None) -> LLM
     else:
         elem = torch.tensor([], dtype=_DTYPES[settings.dtype]).element_size()
         num_blocks = max(1, settings.kv_cache_bytes // ModelRunner.kv_bytes_per_block(cfg, bs, elem))
-    pool = BlockPool(num_blocks, bs)
+    pool = BlockPool(num_blocks, bs, enable_prefix_cache=settings.enable_prefix_cache)
     sampler = Sampler(tokenizer.eos_token_ids, base_seed=settings.seed)
     runner = ModelRunner(model, num_blocks, bs, sampler)
     scheduler = Scheduler(pool, settings.max_num_seqs, settings.max_batch_tokens)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from parrot.common.sampling import FinishReason, SamplingParams
+from parrot.engine.kv_cache.block_pool import chain_hashes
 
 
 class OpKind(enum.Enum):
@@ -55,10 +56,21 @@ class Context:
     pending: deque["Op"] = field(default_factory=deque)
     last_used: float = field(default_factory=time.monotonic)
     freed: bool = False
+    # chain hashes of the full token blocks (a function of ``tokens`` only; extended lazily, see block_hashes)
+    _hashes: list[int] = field(default_factory=list)
+    num_registered: int = 0  # leading blocks of block_table already registered in the prefix cache
 
     @property
     def num_uncomputed(self) -> int:
         return len(self.tokens) - self.num_computed
+
+    def block_hashes(self, n_blocks: int, block_size: int) -> list[int]:
+        """Chain hashes of the first ``n_blocks`` full blocks of ``tokens`` (prefix-cache keys)."""
+        have = len(self._hashes)
+        if n_blocks > have:
+            prev = self._hashes[-1] if have else None
+            self._hashes.extend(chain_hashes(self.tokens[: n_blocks * block_size], block_size, have, prev))
+        return self._hashes[:n_blocks]
 
 
 @dataclass(eq=False)

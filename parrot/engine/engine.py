@@ -114,9 +114,7 @@ class LLMEngine:
             ctx.pending.clear()
             ctx.active = None
             self.scheduler.forget(ctx)
-            self.pool.release(ctx.block_table)
-            ctx.block_table = []
-            ctx.num_computed = 0
+            Scheduler.drop_kv(self.pool, ctx)
             ctx.last_hidden = None
             fut.set_result(None)
 
@@ -180,7 +178,7 @@ class LLMEngine:
         shared = parent.block_table[:n_share]
         self.pool.incref(shared)
         child = Context(context_id, parent.id, tokens=list(parent.tokens), block_table=list(shared),
-                        num_computed=n_share * bs)
+                        num_computed=n_share * bs, num_registered=min(n_share, parent.num_registered))
         if child.num_computed == len(child.tokens):
             child.last_hidden = parent.last_hidden
         parent.last_used = time.monotonic()
@@ -273,9 +271,17 @@ class LLMEngine:
 
     def _apply(self, out: StepOutput) -> None:
         self.num_steps += 1
+        bs = self.pool.block_size
         for ctx, n in out.computed:
             ctx.num_computed += n
             self.num_tokens_computed += n
+            # register newly completed full blocks for the prefix cache
+            n_full = ctx.num_computed // bs
+            if n_full > ctx.num_registered:
+                hashes = ctx.block_hashes(n_full, bs)
+                for i in range(ctx.num_registered, n_full):
+                    self.pool.register(ctx.block_table[i], hashes[i])
+                ctx.num_registered = n_full
         for ctx, h in out.last_hidden:
             ctx.last_hidden = h
         now = time.monotonic()
@@ -352,7 +358,8 @@ class LLMEngine:
             running_tokens=sum(len(o.ctx.tokens) for o in sch.running),
             waiting_tokens=sum(len(o.ctx.tokens) for o in sch.waiting),
             kv_blocks_total=self.pool.num_blocks, kv_blocks_used=self.pool.num_used,
-            kv_blocks_shared=self.pool.num_shared, kv_blocks_cached=0, block_size=self.pool.block_size,
+            kv_blocks_shared=self.pool.num_shared, kv_blocks_cached=self.pool.num_cached, block_size=self.pool.block_size,
             num_contexts=len(self.contexts), num_preempted_total=sch.num_preemptions,
-            extra={"steps": self.num_steps, "tokens_computed": self.num_tokens_computed},
+            extra={"steps": self.num_steps, "tokens_computed": self.num_tokens_computed,
+                   "prefix_cache_hit_blocks": self.pool.num_hit_blocks, "kv_blocks_evicted": self.pool.num_evicted},
         )

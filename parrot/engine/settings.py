@@ -31,6 +31,9 @@ class EngineSettings(BaseSettings):
     max_num_seqs: int = Field(64, ge=1, description="max sequences per iteration (decode batch)")
     max_batch_tokens: int = Field(512, ge=16, description="per-iteration token budget (chunked prefill)")
     max_model_len: int | None = Field(None, ge=16, description="context window; None = the model's")
+    enable_prefix_cache: bool = Field(
+        True, description="keep KV blocks of finished contexts and reuse them for equal token prefixes (LRU)"
+    )
     seed: int = Field(0, description="base seed for sampling without an explicit per-request seed")
 
     @model_validator(mode="after")

@@ -89,6 +89,7 @@ class Scheduler:
         pool.release(ctx.block_table)
         ctx.block_table = []
         ctx.num_computed = 0
+        ctx.num_registered = 0
 
     def uncompute_tail(self, ctx: Context) -> None:
         """Make the last token of a fully computed context uncomputed again (it must be re-run for logits).
@@ -98,12 +99,30 @@ class Scheduler:
         """
         bs = self.pool.block_size
         last = ctx.block_table[-1]
-        if self.pool.refcount(last) == 1:
+        if self.pool.refcount(last) == 1 and not self.pool.is_registered(last):
             ctx.num_computed -= 1
         else:
             self.pool.release([last])
             ctx.block_table.pop()
             ctx.num_computed = len(ctx.block_table) * bs
+            ctx.num_registered = min(ctx.num_registered, len(ctx.block_table))
+
+    def match_prefix(self, op: Op) -> None:
+        """Attach cached KV blocks for the longest cached run of the context's next full token blocks.
+
+        Only at a block boundary (no partial block in the table), so matched blocks extend the table directly."""
+        ctx = op.ctx
+        bs = self.pool.block_size
+        have = len(ctx.block_table)
+        if ctx.num_computed != have * bs or len(ctx.tokens) // bs <= have:
+            return
+        hashes = ctx.block_hashes(len(ctx.tokens) // bs, bs)[have:]
+        blocks = self.pool.match(hashes)
+        if blocks:
+            ctx.block_table.extend(blocks)
+            ctx.num_computed += len(blocks) * bs
+            ctx.num_registered = len(ctx.block_table)
+            op.num_cached += len(blocks) * bs
 
     def _grow(self, ctx: Context, upto: int) -> bool:
         """Ensure blocks for tokens [0, upto). True on success; False (nothing changed) if the pool is short."""
@@ -178,6 +197,7 @@ class Scheduler:
 
     def _plan_op(self, op: Op, budget: int, *, may_preempt: bool, preempted: list[Op]) -> Chunk | None:
         ctx = op.ctx
+        self.match_prefix(op)
         if op.is_generate and ctx.num_uncomputed == 0:
             if ctx.last_hidden is not None:
                 return Chunk(op, ctx.num_computed, 0, sample=True)  # sample from the stored hidden state
