@@ -222,3 +222,64 @@ def test_prefix_cache_serves_unstructured_repeats(engine):
     assert again.token_ids == ref.token_ids
     st = engine.status()
     assert st.extra["prefix_cache_hit_blocks"] >= 3
+
+
+@pytest.mark.parametrize("prefix_len", [37, 64])
+def test_shared_prefix_attention_equals_plain(tiny_parts, prefix_len):
+    """Forks of two different parents decode together: with shared-prefix attention (prefix read once per
+    group, merged by log-sum-exp) the tokens equal the plain paged-attention path."""
+    rng = random.Random(prefix_len)
+    parents = {p: [rng.randrange(3, 40000) for _ in range(prefix_len + 10 * i)] for i, p in enumerate("AB")}
+    suffixes = [[rng.randrange(3, 40000) for _ in range(i + 1)] for i in range(6)]
+    sp = SamplingParams(max_tokens=10, ignore_eos=True)
+    outs = {}
+    for shared in (True, False):
+        eng = make_engine(tiny_parts, shared_prefix_attention=shared, enable_prefix_cache=False)
+        try:
+            for p, toks in parents.items():
+                run(eng.fill(toks, p))
+            futs = []
+            for i, suffix in enumerate(suffixes):
+                p = "AB"[i % 2]
+                eng.fill(suffix, f"{p}{i}", parent_context_id=p)
+                futs.append(eng.generate(sp, f"{p}{i}"))
+            outs[shared] = [run(f).token_ids for f in futs]
+            used = eng.runner.num_shared_prefix_rows
+            assert (used > 0) if shared else (used == 0)
+        finally:
+            eng.shutdown()
+    assert outs[True] == outs[False]
+    assert len({o for o in outs[True]}) == 6
+
+
+def test_shared_prefix_kernel_matches_plain_attention():
+    """The attention math alone, on random K/V: two groups with different prefixes and ragged suffixes."""
+    from parrot.engine.layers.attention import BlockRef, DecodeGroup, PagedAttention
+
+    torch.manual_seed(0)
+    bs, n_kv, G, hd, nb = 4, 2, 3, 8, 64
+    kc = torch.randn(nb, bs, n_kv, hd)
+    vc = torch.randn(nb, bs, n_kv, hd)
+    tables = [[1, 2, 3, 10], [1, 2, 3, 11, 12], [5, 6, 20], [5, 6, 21, 22]]
+    lens = [15, 18, 10, 16]  # tokens per sequence (last token = the one being decoded)
+    q = torch.randn(4, n_kv * G, hd)
+    dev = torch.device("cpu")
+
+    def group(row0, rows, P):
+        ls = [lens[r] - P * bs for r in rows]
+        mx = max(ls)
+        mb = -(-mx // bs)
+        tab = [tables[r][P : P + mb] + [0] * (mb - len(tables[r][P : P + mb])) for r in rows]
+        keep = (torch.arange(mx).unsqueeze(0) < torch.tensor(ls).unsqueeze(1)).view(len(rows), 1, 1, mx)
+        mask = torch.zeros(keep.shape).masked_fill_(~keep, float("-inf")) if P else keep
+        pre = BlockRef.of([tables[rows[0]][:P]], dev) if P else None
+        return DecodeGroup(row0, len(rows), pre, P * bs, BlockRef.of(tab, dev), mx, mask)
+
+    slots = torch.tensor([tables[r][(lens[r] - 1) // bs] * bs + (lens[r] - 1) % bs for r in range(4)])
+    k_new = torch.stack([kc[tables[r][(lens[r] - 1) // bs], (lens[r] - 1) % bs] for r in range(4)])
+    v_new = torch.stack([vc[tables[r][(lens[r] - 1) // bs], (lens[r] - 1) % bs] for r in range(4)])
+    shared = PagedAttention([(kc, vc)], slots, [group(0, [0, 1], 3), group(2, [2, 3], 2)], [], hd ** -0.5)
+    plain = PagedAttention([(kc, vc)], slots, [group(0, [0, 1, 2, 3], 0)], [], hd ** -0.5)
+    a = shared(0, q, k_new, v_new)
+    b = plain(0, q, k_new, v_new)
+    assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()

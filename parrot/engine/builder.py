@@ -46,7 +46,7 @@ def build_engine(settings: EngineSettings, *, model=None, tokenizer=None) -> LLM
         num_blocks = max(1, settings.kv_cache_bytes // ModelRunner.kv_bytes_per_block(cfg, bs, elem))
     pool = BlockPool(num_blocks, bs, enable_prefix_cache=settings.enable_prefix_cache)
     sampler = Sampler(tokenizer.eos_token_ids, base_seed=settings.seed)
-    runner = ModelRunner(model, num_blocks, bs, sampler)
+    runner = ModelRunner(model, num_blocks, bs, sampler, shared_prefix_attention=settings.shared_prefix_attention)
     scheduler = Scheduler(pool, settings.max_num_seqs, settings.max_batch_tokens)
     engine = LLMEngine(name=settings.name, model_name=model_name, runner=runner, pool=pool, scheduler=scheduler,
                        tokenizer=tokenizer, max_model_len=max_len)

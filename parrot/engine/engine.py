@@ -361,5 +361,6 @@ class LLMEngine:
             kv_blocks_shared=self.pool.num_shared, kv_blocks_cached=self.pool.num_cached, block_size=self.pool.block_size,
             num_contexts=len(self.contexts), num_preempted_total=sch.num_preemptions,
             extra={"steps": self.num_steps, "tokens_computed": self.num_tokens_computed,
-                   "prefix_cache_hit_blocks": self.pool.num_hit_blocks, "kv_blocks_evicted": self.pool.num_evicted},
+                   "prefix_cache_hit_blocks": self.pool.num_hit_blocks,
+                   "shared_prefix_decode_rows": self.runner.num_shared_prefix_rows, "kv_blocks_evicted": self.pool.num_evicted},
         )

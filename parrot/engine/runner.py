@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from parrot.engine.context import Context, Op
-from parrot.engine.layers.attention import BlockRef, DecodeMeta, PagedAttention, PrefillMeta
+from parrot.engine.layers.attention import BlockRef, DecodeGroup, PagedAttention, PrefillMeta
 from parrot.engine.sampler import Sampler
 from parrot.engine.scheduler.scheduler import BatchPlan, Chunk
 
@@ -28,7 +28,8 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, sampler: Sampler) -> None:
+    def __init__(self, model, num_blocks: int, block_size: int, sampler: Sampler, *,
+                 shared_prefix_attention: bool = True, min_shared_tokens: int = 32) -> None:
         cfg = model.config
         self.model = model
         self.sampler = sampler
@@ -42,6 +43,9 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         self.scale = cfg.head_dim ** -0.5
+        self.shared_prefix_attention = shared_prefix_attention
+        self.min_shared_blocks = max(1, -(-min_shared_tokens // block_size))
+        self.num_shared_prefix_rows = 0  # decode rows served by the shared-prefix path (a metric)
 
     @staticmethod
     def kv_bytes_per_block(model_config, block_size: int, elem_size: int) -> int:
@@ -60,6 +64,7 @@ class ModelRunner:
         hidden = None
         rows: dict[int, int] = {}  # id(chunk) -> row of its last token in `hidden`
         if decodes or prefills:
+            decodes, groups = self._decode_groups(decodes)
             ids: list[int] = []
             pos: list[int] = []
             slots: list[int] = []
@@ -69,14 +74,13 @@ class ModelRunner:
                 pos.extend(range(c.start, c.start + c.num_tokens))
                 slots.extend(self._slots(ctx, c.start, c.num_tokens))
                 rows[id(c)] = len(ids) - 1
-            decode_meta = self._decode_meta(decodes) if decodes else None
             prefill_meta = []
             row = len(decodes)
             for c in prefills:
                 prefill_meta.append(self._prefill_meta(c, row))
                 row += c.num_tokens
             attn = PagedAttention(
-                self.kv_caches, torch.tensor(slots, dtype=torch.long, device=dev), decode_meta, prefill_meta, self.scale
+                self.kv_caches, torch.tensor(slots, dtype=torch.long, device=dev), groups, prefill_meta, self.scale
             )
             hidden = self.model(
                 torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev), attn
@@ -102,19 +106,72 @@ class ModelRunner:
             sampled = tuple(zip(sample_ops, toks))
         return StepOutput(computed, tuple(last_hidden), sampled)
 
-    def _decode_meta(self, decodes: list[Chunk]) -> DecodeMeta:
+    def _decode_groups(self, decodes: list[Chunk]) -> tuple[list[Chunk], list[DecodeGroup]]:
+        """Order decode rows as [plain | shared group 1 | shared group 2 ...] and describe each group.
+
+        Rows whose block tables start with the same >= ``min_shared_blocks`` full blocks (forks of one
+        context, or prefix-cache hits on the same blocks) form a shared-prefix group."""
+        if not decodes:
+            return decodes, []
         bs = self.block_size
-        lens = [c.start + 1 for c in decodes]
+        by_first: dict[int, list[Chunk]] = {}
+        plain: list[Chunk] = []
+        if self.shared_prefix_attention and len(decodes) > 1:
+            for c in decodes:
+                if c.start // bs >= self.min_shared_blocks:
+                    by_first.setdefault(c.op.ctx.block_table[0], []).append(c)
+                else:
+                    plain.append(c)
+        else:
+            plain = list(decodes)
+        shared: list[tuple[int, list[Chunk]]] = []
+        for members in by_first.values():
+            P = self._common_blocks(members)
+            if len(members) >= 2 and P >= self.min_shared_blocks:
+                shared.append((P, members))
+            else:
+                plain.extend(members)
+        groups: list[DecodeGroup] = []
+        ordered: list[Chunk] = []
+        if plain:
+            groups.append(self._group(len(ordered), plain, 0))
+            ordered.extend(plain)
+        for P, members in shared:
+            self.num_shared_prefix_rows += len(members)
+            groups.append(self._group(len(ordered), members, P))
+            ordered.extend(members)
+        return ordered, groups
+
+    def _common_blocks(self, members: list[Chunk]) -> int:
+        """Leading block ids common to all members, limited to blocks wholly before each one's new token."""
+        bs = self.block_size
+        limit = min(c.start // bs for c in members)
+        first = members[0].op.ctx.block_table
+        P = 0
+        while P < limit and all(c.op.ctx.block_table[P] == first[P] for c in members):
+            P += 1
+        return P
+
+    def _group(self, row0: int, chunks: list[Chunk], P: int) -> DecodeGroup:
+        bs = self.block_size
+        dev = self.device
+        lens = [c.start + 1 - P * bs for c in chunks]  # suffix tokens incl. the new one
         max_len = max(lens)
         max_blocks = -(-max_len // bs)
-        table = [c.op.ctx.block_table[:max_blocks] + [0] * (max_blocks - len(c.op.ctx.block_table[:max_blocks]))
-                 for c in decodes]
-        dev = self.device
+        table = []
+        for c in chunks:
+            t = c.op.ctx.block_table[P : P + max_blocks]
+            table.append(t + [0] * (max_blocks - len(t)))
         mask = None
         if min(lens) != max_len:
-            lt = torch.tensor(lens, device=dev)
-            mask = (torch.arange(max_len, device=dev).unsqueeze(0) < lt.unsqueeze(1)).view(len(decodes), 1, 1, max_len)
-        return DecodeMeta(len(decodes), BlockRef.of(table, dev), max_len, mask)
+            keep = torch.arange(max_len, device=dev).unsqueeze(0) < torch.tensor(lens, device=dev).unsqueeze(1)
+            keep = keep.view(len(chunks), 1, 1, max_len)
+            if P == 0:
+                mask = keep
+            else:  # the flash kernel with LSE wants an additive mask in the compute dtype
+                mask = torch.zeros(keep.shape, dtype=self.dtype, device=dev).masked_fill_(~keep, float("-inf"))
+        prefix = BlockRef.of([chunks[0].op.ctx.block_table[:P]], dev) if P else None
+        return DecodeGroup(row0, len(chunks), prefix, P * bs, BlockRef.of(table, dev), max_len, mask)
 
     def _prefill_meta(self, c: Chunk, row0: int) -> PrefillMeta:
         if c.start == 0:

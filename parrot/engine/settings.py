@@ -34,6 +34,9 @@ class EngineSettings(BaseSettings):
     enable_prefix_cache: bool = Field(
         True, description="keep KV blocks of finished contexts and reuse them for equal token prefixes (LRU)"
     )
+    shared_prefix_attention: bool = Field(
+        True, description="decode rows sharing a prefix attend to it once (one batched matmul, merged by LSE)"
+    )
     seed: int = Field(0, description="base seed for sampling without an explicit per-request seed")
 
     @model_validator(mode="after")

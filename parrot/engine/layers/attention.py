@@ -1,14 +1,26 @@
-"""Paged attention over the block pool (torch). One :class:`PagedAttention` per iteration.
+"""Paged attention over the block pool, with shared-prefix decode attention (torch). One instance per iteration.
 
 KV layout, per layer (``block_size`` = bs, ``n_kv`` heads of ``head_dim``):
 
     k_cache[num_blocks, bs, n_kv, head_dim]      v_cache alike
     slot of token t of a context = block_table[t // bs] * bs + t % bs
 
-The flat batch of one iteration is ``[decode tokens (1 per seq) | prefill chunk 0 | prefill chunk 1 | ...]``.
+The flat batch of one iteration is
+
+    | decode group 0 (plain) | decode group 1 (share prefix A) | group 2 (prefix B) | prefill 0 | prefill 1 | ...
+
 Every layer first writes the new K/V of all T tokens into their slots (one index_copy), then:
-  * decode rows: all sequences at once -- gather each one's blocks (padded to the longest, masked), and one
-    batched SDPA with grouped-query heads;
+  * a plain decode group: gather each sequence's blocks (padded to the longest, masked), one batched SDPA
+    with grouped-query heads;
+  * a shared-prefix decode group (sequences whose block tables start with the same P full blocks, e.g. forks
+    of one context): the prefix K/V is read ONCE and all m queries of the group attend to it in one matmul
+    (as m*G query rows per KV head), giving partial outputs and log-sum-exp; each sequence then attends to its
+    own suffix blocks; the two parts merge exactly:
+
+        lse = logaddexp(lse_prefix, lse_suffix)
+        out = out_prefix * exp(lse_prefix - lse) + out_suffix * exp(lse_suffix - lse)
+
+    Several groups (different prefixes) per batch are fine;
   * prefill chunks: one SDPA each; a chunk that starts at 0 attends over its own fresh K/V (causal), a later
     chunk gathers its context's blocks and uses an explicit causal mask offset by the chunk start.
 """
@@ -20,14 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-
-@dataclass
-class PrefillMeta:
-    row0: int  # first row of the chunk in the flat batch
-    num_tokens: int
-    start: int  # position of the chunk's first token in its context
-    blocks: "BlockRef | None"  # blocks covering [0, start + num_tokens) when start > 0
-    mask: torch.Tensor | None  # bool [num_tokens, start + num_tokens] when start > 0
+_flash_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 @dataclass
@@ -57,11 +62,26 @@ class BlockRef:
 
 
 @dataclass
-class DecodeMeta:
-    num_seqs: int
-    blocks: BlockRef  # [B, max_blocks] (padded with block 0)
-    max_len: int  # longest context among the decode rows (tokens)
-    mask: torch.Tensor | None  # bool [B, 1, 1, max_len], True = attend; None when all have max_len
+class DecodeGroup:
+    """Decode rows [row0, row0 + num_rows). ``prefix`` (shared, ``prefix_len`` tokens) is None for a plain
+    group; ``suffix`` holds each row's blocks after the prefix, ``suffix_len`` = longest suffix in tokens."""
+
+    row0: int
+    num_rows: int
+    prefix: BlockRef | None
+    prefix_len: int
+    suffix: BlockRef
+    suffix_len: int
+    suffix_mask: torch.Tensor | None  # [m, 1, 1, suffix_len]: bool for plain groups, additive for shared ones
+
+
+@dataclass
+class PrefillMeta:
+    row0: int  # first row of the chunk in the flat batch
+    num_tokens: int
+    start: int  # position of the chunk's first token in its context
+    blocks: BlockRef | None  # blocks covering [0, start + num_tokens) when start > 0
+    mask: torch.Tensor | None  # bool [num_tokens, start + num_tokens] when start > 0
 
 
 class PagedAttention:
@@ -71,13 +91,13 @@ class PagedAttention:
         self,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         slots: torch.Tensor,
-        decode: DecodeMeta | None,
+        decode_groups: list[DecodeGroup],
         prefills: list[PrefillMeta],
         scale: float,
     ) -> None:
         self.kv_caches = kv_caches
         self.slots = slots
-        self.decode = decode
+        self.decode_groups = decode_groups
         self.prefills = prefills
         self.scale = scale
 
@@ -89,14 +109,16 @@ class PagedAttention:
         n_heads = q.shape[1]
         gqa = n_heads != n_kv
         outs: list[torch.Tensor] = []
-        d = self.decode
-        if d is not None:
-            B = d.num_seqs
-            qd = q[:B].unsqueeze(2)  # [B, H, 1, hd]
-            kd = d.blocks.read(k_cache)[:, : d.max_len].transpose(1, 2)
-            vd = d.blocks.read(v_cache)[:, : d.max_len].transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=self.scale, enable_gqa=gqa)
-            outs.append(od.reshape(B, n_heads * hd))
+        for g in self.decode_groups:
+            qg = q[g.row0 : g.row0 + g.num_rows]
+            if g.prefix is None:
+                kd = g.suffix.read(k_cache)[:, : g.suffix_len].transpose(1, 2)
+                vd = g.suffix.read(v_cache)[:, : g.suffix_len].transpose(1, 2)
+                od = F.scaled_dot_product_attention(qg.unsqueeze(2), kd, vd, attn_mask=g.suffix_mask,
+                                                    scale=self.scale, enable_gqa=gqa)
+                outs.append(od.reshape(g.num_rows, n_heads * hd))
+            else:
+                outs.append(self._shared_prefix(g, qg, k_cache, v_cache))
         for p in self.prefills:
             qp = q[p.row0 : p.row0 + p.num_tokens].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
             if p.start == 0:
@@ -110,3 +132,23 @@ class PagedAttention:
                 op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=self.scale, enable_gqa=gqa)
             outs.append(op.squeeze(0).transpose(0, 1).reshape(p.num_tokens, n_heads * hd))
         return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+
+    def _shared_prefix(self, g: DecodeGroup, qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        m, n_heads, hd = qg.shape
+        n_kv = k_cache.shape[2]
+        G = n_heads // n_kv
+        q4 = qg.view(m, n_kv, G, hd)
+        # prefix: one [n_kv, m*G, P] problem -- the prefix K/V is read once for the whole group
+        qp = q4.permute(1, 0, 2, 3).reshape(1, n_kv, m * G, hd)
+        kp = g.prefix.read(k_cache)[:, : g.prefix_len].transpose(1, 2)
+        vp = g.prefix.read(v_cache)[:, : g.prefix_len].transpose(1, 2)
+        op, lp = _flash_with_lse(qp, kp, vp, 0.0, False, scale=self.scale)
+        op = op.view(n_kv, m, G, hd).permute(1, 0, 2, 3)  # [m, n_kv, G, hd]
+        lp = lp.view(n_kv, m, G).permute(1, 0, 2)  # [m, n_kv, G]
+        # suffix: each row against its own blocks (G query rows per KV head, padding masked)
+        ks = g.suffix.read(k_cache)[:, : g.suffix_len].transpose(1, 2)
+        vs = g.suffix.read(v_cache)[:, : g.suffix_len].transpose(1, 2)
+        os_, ls = _flash_with_lse(q4, ks, vs, 0.0, False, attn_mask=g.suffix_mask, scale=self.scale)
+        lse = torch.logaddexp(lp, ls)
+        out = op.float() * (lp - lse).exp_().unsqueeze(-1) + os_.float() * (ls - lse).exp_().unsqueeze(-1)
+        return out.to(qg.dtype).reshape(m, n_heads * hd)
