@@ -1,0 +1,1 @@
+"""The Python frontend: SemanticVariable, semantic / native functions and sessions (re-exported by ``parrot``)."""

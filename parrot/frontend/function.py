@@ -1,0 +1,239 @@
+"""Semantic functions (paper §4.1, Fig. 7): a prompt template whose call submits one request to the server.
+
+::
+
+    @P.semantic_function(max_tokens=64)
+    def write_code(task: P.SemanticVariable):
+        '''You are an expert software engineer.
+        Write python code of {{input:task}}.
+        Code: {{output:code}}'''
+
+    code = write_code("a snake game")    # submits now, returns the output variable at once
+
+Everything is checked at definition time: the docstring template (dedented with ``inspect.cleandoc``), the
+function parameters against the template inputs, the sampling parameters and the transform specs.
+
+Default stop: an output that is followed by constant text stops where that text begins, i.e. at the text up
+to its first newline (trailing spaces dropped), or at ``"\\n"`` when that text starts with a newline or its
+first line is blank. An explicit ``stop`` (even ``[]``) replaces the default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from parrot.common.errors import TemplateError
+from parrot.common.sampling import SamplingParams
+from parrot.common.template import PlaceholderSegment, Segment, input_names, parse_template, placeholders, text_after
+from parrot.common.transforms import Transform, validate_transforms
+from parrot.frontend.client import Session, resolve_session
+from parrot.frontend.variable import SemanticVariable
+
+RESERVED_PARAMS = frozenset({"session"})
+
+
+@dataclass(frozen=True)
+class Output:
+    """Per-output settings; ``None`` fields fall back to the function-level defaults, then SamplingParams'."""
+
+    max_tokens: int | None = None
+    min_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop: Sequence[str] | str | None = None
+    stop_token_ids: Sequence[int] | None = None
+    seed: int | None = None
+    ignore_eos: bool | None = None
+    transforms: Sequence[Mapping | Transform] | None = None
+
+    def merged_over(self, base: "Output") -> "Output":
+        """This output's set fields over ``base``'s."""
+        changes = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+        return dataclasses.replace(base, **changes)
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    """A resolved output: what the server gets in the submit's placeholder entry."""
+
+    name: str
+    sampling: SamplingParams
+    transforms: tuple[Transform, ...]
+
+    def to_placeholder(self, var_id: str | None = None) -> dict:
+        return {"name": self.name, "is_output": True, "var_id": var_id, "sampling": self.sampling.to_dict(),
+                "transforms": [t.to_spec() for t in self.transforms]}
+
+
+def default_stop(segments: list[Segment], output: str) -> tuple[str, ...]:
+    """The stop string implied by the constant text after ``output`` (see module docstring)."""
+    following = text_after(segments, output)
+    if not following:
+        return ()
+    head = following.split("\n", 1)[0].rstrip()
+    if head.strip():
+        return (head,)
+    return ("\n",) if "\n" in following else ()
+
+
+def _resolve_output(segments: list[Segment], name: str, settings: Output) -> OutputConfig:
+    fields = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)
+              if f.name != "transforms" and getattr(settings, f.name) is not None}
+    if "stop" not in fields:
+        fields["stop"] = default_stop(segments, name)
+    sampling = SamplingParams(**fields)  # validates -> BadSamplingParams
+    transforms = tuple(validate_transforms(list(settings.transforms or [])))  # -> TransformSpecError
+    return OutputConfig(name, sampling, transforms)
+
+
+class SemanticFunction:
+    """A template plus per-output configuration. Calling it submits a request and returns output futures."""
+
+    def __init__(self, template: str, *, name: str = "semantic_function",
+                 signature: inspect.Signature | None = None, defaults: Output = Output(),
+                 outputs: Mapping[str, Output | Mapping] | None = None, models: Sequence[str] = ()) -> None:
+        self.name = name
+        self.template = template
+        self.segments = parse_template(template)
+        self._defaults = defaults
+        self._overrides = {k: _as_output(v) for k, v in (outputs or {}).items()}
+        self.models = tuple(models)
+        holders = placeholders(self.segments)
+        out_names = [p.name for p in holders if p.is_output]
+        if not out_names:
+            raise TemplateError(f"semantic function {name!r} has no {{{{output:NAME}}}} placeholder", param="prompt")
+        inputs = input_names(self.segments)
+        if signature is None:
+            signature = inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                                           for n in inputs])
+        self._check_signature(signature, inputs, out_names)
+        self.signature = signature
+        overrides = dict(outputs or {})
+        unknown = sorted(set(overrides) - set(out_names))
+        if unknown:
+            raise TemplateError(f"semantic function {name!r}: outputs={unknown} are not output placeholders of "
+                                f"its template (outputs: {out_names})", param="outputs")
+        self.outputs: tuple[OutputConfig, ...] = tuple(
+            _resolve_output(self.segments, n, _as_output(overrides.get(n, Output())).merged_over(defaults))
+            for n in out_names)
+
+    def _check_signature(self, sig: inspect.Signature, inputs: list[str], outputs: list[str]) -> None:
+        where = f"semantic function {self.name!r}"
+        for p in sig.parameters.values():
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                raise TemplateError(f"{where}: *args/**kwargs parameter {p.name!r} not allowed; name each input",
+                                    param=p.name)
+            if p.name in RESERVED_PARAMS:
+                raise TemplateError(f"{where}: parameter name {p.name!r} is reserved", param=p.name)
+            if p.name in outputs:
+                raise TemplateError(f"{where}: parameter {p.name!r} is an {{{{output:{p.name}}}}} placeholder; "
+                                    "outputs are returned, not passed", param=p.name)
+        params = list(sig.parameters)
+        missing = [n for n in inputs if n not in params]
+        extra = [n for n in params if n not in inputs]
+        if missing or extra:
+            raise TemplateError(f"{where}: parameters {params} do not match the template inputs {inputs}"
+                                + (f"; no parameter for {missing}" if missing else "")
+                                + (f"; no {{{{input:...}}}} placeholder for {extra}" if extra else ""),
+                                param=(missing or extra)[0])
+
+    def options(self, *, outputs: Mapping[str, Output | Mapping] | None = None,
+                models: Sequence[str] | None = None, **defaults: Any) -> "SemanticFunction":
+        """A copy with some settings changed (``f.options(max_tokens=8)(x)``); validated like a definition."""
+        merged = dict(self._overrides)
+        for k, v in (outputs or {}).items():
+            merged[k] = _as_output(v).merged_over(merged.get(k, Output()))
+        return SemanticFunction(self.template, name=self.name, signature=self.signature,
+                                defaults=_output_from_kwargs(defaults).merged_over(self._defaults), outputs=merged,
+                                models=self.models if models is None else models)
+
+    @property
+    def output_names(self) -> list[str]:
+        return [o.name for o in self.outputs]
+
+    def __call__(self, *args: Any, session: Session | None = None, **kwargs: Any
+                 ) -> SemanticVariable | tuple[SemanticVariable, ...]:
+        """Submit the call; returns the output variable (a tuple, in template order, for several outputs).
+
+        ``str`` arguments become new ready variables; SemanticVariables are passed by id whether or not
+        they are ready (the server runs the request once all inputs are materialized).
+        """
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{self.name}(): {e}") from None
+        bound.apply_defaults()
+        s = resolve_session(session)
+        in_vars: dict[str, SemanticVariable] = {}
+        for pname, value in bound.arguments.items():
+            if isinstance(value, str):
+                value = SemanticVariable(value, name=pname)
+            if not isinstance(value, SemanticVariable):
+                raise TypeError(f"{self.name}(): argument {pname!r} must be str or SemanticVariable, got "
+                                f"{type(value).__name__}")
+            in_vars[pname] = value
+        holders = []
+        for p in placeholders(self.segments):
+            if p.is_output:
+                holders.append(self._output(p).to_placeholder())
+            else:
+                holders.append({"name": p.name, "is_output": False, "var_id": in_vars[p.name]._bind(s)})
+        out_ids = s.submit(self.template, holders, list(self.models))
+        inputs = tuple(in_vars.values())
+        outs = tuple(SemanticVariable._semantic_output(n, s, out_ids[n], inputs, f"semantic function {self.name}")
+                     for n in self.output_names)
+        return outs[0] if len(outs) == 1 else outs
+
+    def _output(self, p: PlaceholderSegment) -> OutputConfig:
+        return next(o for o in self.outputs if o.name == p.name)
+
+    def __repr__(self) -> str:
+        return f"SemanticFunction({self.name}{self.signature} -> {tuple(self.output_names)})"
+
+
+def _as_output(o: Output | Mapping) -> Output:
+    if isinstance(o, Output):
+        return o
+    if isinstance(o, Mapping):
+        try:
+            return Output(**o)
+        except TypeError as e:
+            raise TemplateError(f"bad output settings {dict(o)}: {e}", param="outputs") from None
+    raise TemplateError(f"output settings must be P.Output or a dict, got {type(o).__name__}", param="outputs")
+
+
+def _output_from_kwargs(kwargs: Mapping[str, Any]) -> Output:
+    try:
+        return Output(**kwargs)
+    except TypeError as e:
+        raise TypeError(f"semantic_function: {e} (known: {[f.name for f in dataclasses.fields(Output)]})") from None
+
+
+def semantic_function(fn: Callable | None = None, /, *, outputs: Mapping[str, Output | Mapping] | None = None,
+                      models: Sequence[str] = (), **defaults: Any) -> Any:
+    """Decorator turning a function whose docstring is a template into a :class:`SemanticFunction`.
+
+    Usable bare (``@P.semantic_function``) or with arguments: ``defaults`` are :class:`Output` fields
+    (``max_tokens``, ``temperature``, ``stop``, ``transforms``, ...) applied to every output;
+    ``outputs={"name": P.Output(...)}`` overrides them per output; ``models`` restricts the engines' models.
+    """
+    base = _output_from_kwargs(defaults)
+
+    def wrap(f: Callable) -> SemanticFunction:
+        if not f.__doc__:
+            raise TemplateError(f"semantic function {f.__name__!r} has no docstring template", param="prompt")
+        sf = SemanticFunction(inspect.cleandoc(f.__doc__), name=f.__name__, signature=inspect.signature(f),
+                              defaults=base, outputs=outputs, models=models)
+        functools.update_wrapper(sf, f, updated=())
+        return sf
+
+    return wrap(fn) if fn is not None else wrap

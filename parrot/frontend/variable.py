@@ -1,0 +1,252 @@
+"""SemanticVariable: a future for a string value living in a Parrot session (paper §4.1).
+
+A variable has one of three origins:
+
+* **user**: ``SemanticVariable("a snake game")`` or empty and ``.set()`` later;
+* **semantic output**: returned by a semantic-function call; the server produces it;
+* **native output**: returned by a native-function call; this client produces it (in a worker thread) and
+  pushes the value to the server if the variable was ever passed to a semantic function.
+
+A variable is bound lazily to one session (created on the server the first time a call needs its id).
+``get`` / ``aget`` long-poll the server in chunks and annotate the fetch with a performance criterion
+(the paper's GetPerfObj). A failed producer raises its typed error (``StepFailed`` from the server; a native
+function's own exception for its outputs; ``StepFailed`` with cause ``native_function_failed`` for semantic
+outputs that depend on a failed native function).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import enum
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from parrot.common.errors import InvalidRequestError, ParrotError, StepFailed, VariableAlreadySet
+from parrot.frontend.client import MAX_POLL_S, resolve_session
+
+if TYPE_CHECKING:
+    from parrot.frontend.client import Session
+
+log = logging.getLogger(__name__)
+
+NATIVE_POLL_S = 0.5  # poll chunk while a client-side (native) ancestor is pending: its failure must surface
+
+
+class PerfCriteria(str, enum.Enum):
+    """End-to-end performance objective annotated on a ``get`` (paper §4.1, §5.2)."""
+
+    LATENCY = "latency"
+    THROUGHPUT = "throughput"
+
+
+LATENCY = PerfCriteria.LATENCY
+THROUGHPUT = PerfCriteria.THROUGHPUT
+
+
+class _Origin(enum.Enum):
+    USER = "user"
+    SEMANTIC = "semantic"
+    NATIVE = "native"
+
+
+class SemanticVariable:
+    """A string value that may not exist yet. See the module docstring for origins and errors."""
+
+    def __init__(self, value: str | None = None, name: str | None = None, *, session: "Session | None" = None):
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"SemanticVariable value must be str, got {type(value).__name__}")
+        self.name = name
+        self._lock = threading.RLock()
+        self._value = value
+        self._error: BaseException | None = None
+        self._session = session
+        self._var_id: str | None = None
+        self._pushed = False  # whether the server variable holds ``_value``
+        self._origin = _Origin.USER
+        self._inputs: tuple[SemanticVariable, ...] = ()  # client-known producer inputs (failure propagation)
+        self._native: concurrent.futures.Future[str] | None = None
+        self._producer = ""  # description of the producer, for error messages
+
+    # ---- construction by calls ------------------------------------------------------------------------------
+    @classmethod
+    def _semantic_output(cls, name: str, session: "Session", var_id: str, inputs: tuple["SemanticVariable", ...],
+                         producer: str) -> "SemanticVariable":
+        v = cls(name=name, session=session)
+        v._var_id, v._origin, v._inputs, v._producer = var_id, _Origin.SEMANTIC, inputs, producer
+        return v
+
+    @classmethod
+    def _native_output(cls, name: str, session: "Session", future: "concurrent.futures.Future[str]",
+                       inputs: tuple["SemanticVariable", ...], producer: str) -> "SemanticVariable":
+        v = cls(name=name, session=session)
+        v._origin, v._inputs, v._native, v._producer = _Origin.NATIVE, inputs, future, producer
+        future.add_done_callback(v._on_native_done)
+        return v
+
+    # ---- identity and binding -------------------------------------------------------------------------------
+    @property
+    def id(self) -> str:
+        """The server var_id (binds the variable to its / the default session on first use)."""
+        return self._bind(self._session)
+
+    @property
+    def session(self) -> "Session | None":
+        return self._session
+
+    def _bind(self, session: "Session | None") -> str:
+        """Make sure the variable exists in ``session`` on the server and return its var_id."""
+        with self._lock:
+            session = resolve_session(session or self._session)
+            if self._session is not None and self._session is not session:
+                raise InvalidRequestError(f"variable {self!r} belongs to session {self._session.session_id}, "
+                                          f"not {session.session_id}", param="session")
+            if self._var_id is None:
+                value = self._value
+                if self._native is not None and self._native.done() and self._native.exception() is None:
+                    value = self._native.result()
+                self._var_id = session.create_variable(self.name, value)
+                self._session = session
+                self._pushed = value is not None
+            return self._var_id
+
+    def _on_native_done(self, future: "concurrent.futures.Future[str]") -> None:
+        """Runs in the native worker: record the outcome; push the value if the server already knows us."""
+        with self._lock:
+            if future.cancelled() or future.exception() is not None:
+                self._error = future.exception() or concurrent.futures.CancelledError()
+                return
+            self._value = future.result()
+            if self._var_id is not None and not self._pushed and self._session is not None:
+                try:
+                    self._session.set_variable(self._var_id, self._value)
+                    self._pushed = True
+                except ParrotError as e:
+                    log.error("could not push native output %s to the server: %s", self, e)
+                    self._error = e
+
+    # ---- value ----------------------------------------------------------------------------------------------
+    def set(self, value: str) -> None:
+        """Give a user variable its value (once). Produced variables and set ones raise VariableAlreadySet."""
+        if not isinstance(value, str):
+            raise TypeError(f"SemanticVariable value must be str, got {type(value).__name__}")
+        with self._lock:
+            if self._origin is not _Origin.USER:
+                raise VariableAlreadySet(f"variable {self!r} is produced by {self._producer}; it cannot be set")
+            if self._value is not None:
+                raise VariableAlreadySet(f"variable {self!r} is already set")
+            if self._var_id is not None and self._session is not None:
+                self._session.set_variable(self._var_id, value)
+                self._pushed = True
+            self._value = value
+
+    @property
+    def ready(self) -> bool:
+        """True when ``get`` would return (or raise) without waiting. Asks the server without waiting."""
+        with self._lock:
+            if self._value is not None or self._error is not None:
+                return True
+            if self._native is not None:
+                return self._native.done()
+            if self._var_id is None:
+                return False
+            session, var_id = self._session, self._var_id
+        if self._failed_ancestor() is not None:
+            return True
+        try:
+            value = session.poll_variable(var_id, None, 0.0)
+        except StepFailed as e:
+            self._error = e
+            return True
+        if value is not None:
+            self._value = value
+        return value is not None
+
+    def get(self, perf: PerfCriteria | str = LATENCY, timeout: float | None = None) -> str:
+        """Block until the value exists and return it. ``perf`` annotates the fetch (LATENCY / THROUGHPUT).
+
+        Raises the producer's typed error (see module docstring); TimeoutError after ``timeout`` seconds.
+        """
+        criteria = PerfCriteria(perf).value
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._value is not None:
+            return self._value
+        if self._error is not None:
+            raise self._error
+        if self._native is not None:
+            return self._native.result(timeout=timeout)  # raises the native function's own exception
+        var_id = self._bind(self._session)
+        while True:
+            chunk = self._poll_chunk()
+            if deadline is not None:
+                chunk = min(chunk, max(0.0, deadline - time.monotonic()))
+            try:
+                value = self._session.poll_variable(var_id, criteria, chunk)
+            except StepFailed as e:
+                self._error = e
+                raise
+            if value is not None:
+                self._value = value
+                return value
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"{self!r} not ready after {timeout} s")
+
+    async def aget(self, perf: PerfCriteria | str = LATENCY, timeout: float | None = None) -> str:
+        """``await`` version of :meth:`get` (uses the session's async HTTP client)."""
+        criteria = PerfCriteria(perf).value
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._value is not None:
+            return self._value
+        if self._error is not None:
+            raise self._error
+        if self._native is not None:
+            done, _ = await asyncio.wait([asyncio.wrap_future(self._native)], timeout=timeout)
+            if not done:
+                raise TimeoutError(f"{self!r} not ready after {timeout} s")
+            return done.pop().result()
+        var_id = self._var_id or await asyncio.to_thread(self._bind, self._session)
+        while True:
+            chunk = self._poll_chunk()
+            if deadline is not None:
+                chunk = min(chunk, max(0.0, deadline - time.monotonic()))
+            try:
+                value = await self._session.apoll_variable(var_id, criteria, chunk)
+            except StepFailed as e:
+                self._error = e
+                raise
+            if value is not None:
+                self._value = value
+                return value
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"{self!r} not ready after {timeout} s")
+
+    def _poll_chunk(self) -> float:
+        """Long-poll length; short while a native ancestor is pending. Raises if a native ancestor failed."""
+        failed = self._failed_ancestor()
+        if failed is not None:
+            self._error = StepFailed(f"{self!r} depends on {failed!r}, whose {failed._producer} failed: "
+                                     f"{failed._error!r}", cause_code="native_function_failed")
+            raise self._error
+        return NATIVE_POLL_S if self._pending_native_ancestor() else MAX_POLL_S
+
+    def _ancestors(self) -> list["SemanticVariable"]:
+        seen: dict[int, SemanticVariable] = {}
+        stack = list(self._inputs)
+        while stack:
+            v = stack.pop()
+            if id(v) not in seen:
+                seen[id(v)] = v
+                stack.extend(v._inputs)
+        return list(seen.values())
+
+    def _failed_ancestor(self) -> "SemanticVariable | None":
+        return next((v for v in self._ancestors() if v._native is not None and v._error is not None), None)
+
+    def _pending_native_ancestor(self) -> bool:
+        return any(v._native is not None and not v._native.done() for v in self._ancestors())
+
+    def __repr__(self) -> str:
+        state = "ready" if self._value is not None else "failed" if self._error is not None else "pending"
+        return f"SemanticVariable({self.name or '?'}, id={self._var_id}, {self._origin.value}, {state})"
