@@ -9,7 +9,9 @@ Tokenizer: one token per UTF-8 byte, id = byte + 3 (0 = pad, 1 = BOS, 2 = EOS); 
 ``"\\nrest of the answer"`` (so a stop at ``"\\n"`` ends it at the reply), then EOS. Sampled generations
 (temperature > 0) append ``#<seed>`` (or ``#<n>``, a per-engine counter, without a seed).
 Knobs: ``fail_generate_when`` (a substring of the context text that makes generate raise EngineError),
-``gate`` (an asyncio.Event generate waits on), ``token_delay_s`` (stream pacing), ``max_model_len``.
+``fail_fill_when`` (a substring of the context id that makes fill raise EngineError before creating it),
+``gate`` (an asyncio.Event generate waits on), ``fill_gate`` (one fill waits on), ``token_delay_s`` (stream
+pacing), ``max_model_len``. Forks are fills with a parent: see :meth:`FakeEngine.forks`.
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ class FakeEngine(EngineClient):
         self.calls: list[tuple] = []  # ("fill"|"generate"|"free", context_id, parent_context_id or None, ...)
         self.freed: list[str] = []
         self.fail_generate_when: str | None = None
+        self.fail_fill_when: str | None = None
         self.gate: asyncio.Event | None = None
+        self.fill_gate: asyncio.Event | None = None
         self.token_delay_s: float = 0.0
         self.generating = 0  # generate calls in progress
         self._counter = itertools.count(1)
@@ -105,6 +109,10 @@ class FakeEngine(EngineClient):
     async def fill(self, token_ids: list[int], context_id: str, parent_context_id: str | None = None) -> FillResult:
         self.calls.append(("fill", context_id, parent_context_id, list(token_ids)))
         await asyncio.sleep(0)
+        if self.fill_gate is not None:
+            await self.fill_gate.wait()
+        if self.fail_fill_when is not None and self.fail_fill_when in context_id:
+            raise EngineError(f"fake engine fill failure on context {context_id!r}")
         tokens = self._context(context_id, parent_context_id)
         if len(tokens) + len(token_ids) > self.max_model_len:
             raise ContextLengthExceeded(f"context {context_id!r} would hold {len(tokens) + len(token_ids)} tokens "
@@ -204,4 +212,8 @@ class FakeEngine(EngineClient):
     # ---- test helpers ---------------------------------------------------------------------------------------------
     def calls_of(self, kind: str) -> list[tuple]:
         return [c for c in self.calls if c[0] == kind]
+
+    def forks(self) -> list[tuple]:
+        """Fill calls that created a context as a child of another (``parent_context_id`` given)."""
+        return [c for c in self.calls if c[0] in ("fill", "generate") and c[2] is not None]
 

@@ -222,6 +222,14 @@ def test_prefix_cache_serves_unstructured_repeats(engine):
     assert again.token_ids == ref.token_ids
     st = engine.status()
     assert st.extra["prefix_cache_hit_blocks"] >= 3
+    # a fill served entirely from the cache (whole blocks, nothing to compute) completes too
+    run(engine.fill(toks[:32], "blocks-only-a"))
+    run(engine.free_context("blocks-only-a"))
+    r = run(engine.fill(toks[:32], "blocks-only-b"))
+    assert r.num_cached == 32 and r.context_len == 32
+    g = run(engine.generate(GREEDY, "blocks-only-b"))  # no hidden state cached: the last block is recomputed
+    run(engine.fill(toks[:32], "plain"))
+    assert g.token_ids == run(engine.generate(GREEDY, "plain")).token_ids
 
 
 @pytest.mark.parametrize("prefix_len", [37, 64])

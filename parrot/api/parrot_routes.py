@@ -88,6 +88,12 @@ async def submit(manager: ManagerDep, session: SessionDep, body: SubmitRequest) 
     return SubmitResponse(request_id=req.request_id, outputs=outputs)
 
 
+@router.get("/stats")
+async def stats(manager: ManagerDep) -> dict:
+    """Manager counters: open sessions and prefix sharing (contexts created/freed, forks, tokens saved)."""
+    return manager.stats()
+
+
 @router.get("/sessions/{sid}/dag", response_model=DagResponse)
 async def dag(manager: ManagerDep, session: SessionDep) -> DagResponse:
     dump = manager.dag(session)

@@ -26,9 +26,16 @@ class ServerSettings(BaseSettings):
     max_long_poll_s: float = Field(60.0, gt=0, le=60.0)
     engine_heartbeat_s: float = Field(2.0, ge=0, description="engine status refresh period (0 = off)")
     max_n: int = Field(16, ge=1, le=128, description="largest 'n' (choices) an OpenAI request may ask for")
+    prefix_sharing: bool = Field(True, description="fill prompt prefixes shared by requests once, fork the rest")
+    prefix_min_tokens: int = Field(16, ge=1, description="shortest prefix worth a shared prefix context")
+    prefix_grace_s: float = Field(30.0, ge=0, description="idle time before an unused prefix context is freed")
+    max_prefix_contexts_per_engine: int = Field(16, ge=1, description="LRU bound on prefix contexts per engine")
 
     def manager_config(self) -> ManagerConfig:
         return ManagerConfig(session_ttl_s=self.session_ttl_s, max_session_ttl_s=self.max_session_ttl_s,
                              max_sessions=self.max_sessions, max_nodes_per_session=self.max_nodes_per_session,
                              cleanup_interval_s=self.session_cleanup_interval_s,
-                             heartbeat_interval_s=self.engine_heartbeat_s, max_long_poll_s=self.max_long_poll_s)
+                             heartbeat_interval_s=self.engine_heartbeat_s, max_long_poll_s=self.max_long_poll_s,
+                             prefix_sharing=self.prefix_sharing, prefix_min_tokens=self.prefix_min_tokens,
+                             prefix_grace_s=self.prefix_grace_s,
+                             max_prefix_contexts_per_engine=self.max_prefix_contexts_per_engine)

@@ -116,6 +116,7 @@ class LLMEngine:
             self.scheduler.forget(ctx)
             Scheduler.drop_kv(self.pool, ctx)
             ctx.last_hidden = None
+            self._status = self._snapshot()  # callers read status right after a free
             fut.set_result(None)
 
         self._submit(cmd, fut)

@@ -59,7 +59,7 @@ class ModelRunner:
     def execute(self, plan: BatchPlan) -> StepOutput:
         decodes = [c for c in plan.chunks if c.num_tokens == 1]
         prefills = [c for c in plan.chunks if c.num_tokens > 1]
-        sample_only = [c for c in plan.chunks if c.num_tokens == 0]
+        sample_only = [c for c in plan.chunks if c.num_tokens == 0 and c.sample]
         dev = self.device
         hidden = None
         rows: dict[int, int] = {}  # id(chunk) -> row of its last token in `hidden`

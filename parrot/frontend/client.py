@@ -148,9 +148,12 @@ class Session:
         answer = await self._arequest("GET", f"{self._base}/variables/{var_id}", params=params)
         return answer["value"] if answer["status"] == "ready" else None
 
-    def submit(self, prompt: str, placeholders: list[dict], models: list[str] | None = None) -> dict[str, str]:
-        """Submit one semantic call; returns {output placeholder name: var_id}."""
+    def submit(self, prompt: str, placeholders: list[dict], models: list[str] | None = None,
+               name: str | None = None) -> dict[str, str]:
+        """Submit one semantic call (``name`` labels it in DAG dumps); returns {output name: var_id}."""
         body = {"prompt": prompt, "placeholders": placeholders, "models": list(models or [])}
+        if name:
+            body["name"] = name
         return self._request("POST", f"{self._base}/submit", json=body)["outputs"]
 
     def dag(self) -> dict:

@@ -187,7 +187,7 @@ class SemanticFunction:
                 holders.append(self._output(p).to_placeholder())
             else:
                 holders.append({"name": p.name, "is_output": False, "var_id": in_vars[p.name]._bind(s)})
-        out_ids = s.submit(self.template, holders, list(self.models))
+        out_ids = s.submit(self.template, holders, list(self.models), name=self.name)
         inputs = tuple(in_vars.values())
         outs = tuple(SemanticVariable._semantic_output(n, s, out_ids[n], inputs, f"semantic function {self.name}")
                      for n in self.output_names)

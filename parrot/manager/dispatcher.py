@@ -5,13 +5,17 @@ The dispatcher counts what it has in flight per engine (requests and prompt+outp
 with the last :class:`EngineStatus` from heartbeats; a policy only *chooses* among candidates, it never
 mutates state. Engines batch whatever they receive, so the dispatcher does not cap concurrency; a policy that
 queues (FIFO with a latency capacity cap, Algorithm 1) will make :meth:`Dispatcher.acquire` wait.
+
+Prefix affinity (Algorithm 1, CtxInEngine): each candidate carries ``prefix_tokens``, the longest of the
+request's prefix hashes that engine already holds (a prefix context or a running request context), from the
+``prefix_lookup`` the manager wires to its PrefixStore; a policy keeps sharers where their prefix lives.
 """
 
 from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from parrot.common.errors import EngineUnavailable
@@ -45,6 +49,7 @@ class EngineLoad:
     status: EngineStatus | None  # last heartbeat snapshot
     inflight_requests: int  # leases handed out by this dispatcher and not yet released
     inflight_tokens: int
+    prefix_tokens: int = 0  # tokens of the request's longest prefix this engine holds (0 = none / unknown)
 
 
 class Policy(abc.ABC):
@@ -58,16 +63,34 @@ class Policy(abc.ABC):
 
 
 class LeastLoadedPolicy(Policy):
-    """Fewest in-flight requests, then fewest tokens (in flight here + engine-reported), then name."""
+    """Fewest in-flight requests, then fewest tokens (in flight here + engine-reported), then name.
+
+    With ``prefix_affinity`` an engine holding the request's longest shared prefix wins instead, as long as it
+    has at most ``affinity_slack`` more requests in flight than the least loaded candidate (so one popular
+    system prompt cannot pile every request onto one engine).
+    """
 
     name = "least_loaded"
+
+    def __init__(self, *, prefix_affinity: bool = True, affinity_slack: int = 4) -> None:
+        if affinity_slack < 0:
+            raise ValueError(f"affinity_slack must be >= 0, got {affinity_slack!r}")
+        self.prefix_affinity = prefix_affinity
+        self.affinity_slack = affinity_slack
 
     def choose(self, request: DispatchRequest, candidates: Sequence[EngineLoad]) -> str:
         def load(c: EngineLoad) -> tuple[int, int, str]:
             reported = c.status.running_tokens + c.status.waiting_tokens if c.status is not None else 0
             return c.inflight_requests, c.inflight_tokens + reported, c.name
 
-        return min(candidates, key=load).name
+        best = min(candidates, key=load)
+        if self.prefix_affinity:
+            top = max(c.prefix_tokens for c in candidates)
+            if top > 0:
+                holder = min((c for c in candidates if c.prefix_tokens == top), key=load)
+                if holder.inflight_requests <= best.inflight_requests + self.affinity_slack:
+                    return holder.name
+        return best.name
 
 
 class Lease:
@@ -94,18 +117,26 @@ class Lease:
         self.release()
 
 
+PrefixLookup = Callable[[str, Sequence[str]], int]  # (engine, prefix hashes) -> tokens of the longest held
+
+
 class Dispatcher:
-    def __init__(self, registry: EngineRegistry, policy: Policy | None = None) -> None:
+    def __init__(self, registry: EngineRegistry, policy: Policy | None = None, *,
+                 prefix_lookup: PrefixLookup | None = None) -> None:
         self.registry = registry
         self.policy = policy or LeastLoadedPolicy()
+        self.prefix_lookup = prefix_lookup
         self._requests: dict[str, int] = {}
         self._tokens: dict[str, int] = {}
 
-    def load(self, entry: EngineEntry) -> EngineLoad:
+    def load(self, entry: EngineEntry, request: DispatchRequest | None = None) -> EngineLoad:
         assert entry.info is not None
+        prefix = 0
+        if request is not None and request.prefix_hashes and self.prefix_lookup is not None:
+            prefix = self.prefix_lookup(entry.name, request.prefix_hashes)
         return EngineLoad(name=entry.name, model=entry.info.name, max_model_len=entry.info.max_model_len,
                           status=entry.status, inflight_requests=self._requests.get(entry.name, 0),
-                          inflight_tokens=self._tokens.get(entry.name, 0))
+                          inflight_tokens=self._tokens.get(entry.name, 0), prefix_tokens=prefix)
 
     async def acquire(self, request: DispatchRequest) -> Lease:
         """Choose an engine for ``request`` and count it as in flight there until the lease is released.
@@ -114,7 +145,7 @@ class Dispatcher:
         """
         entries = self.registry.candidates(request.models)
         by_name = {e.name: e for e in entries}
-        choice = self.policy.choose(request, [self.load(e) for e in entries])
+        choice = self.policy.choose(request, [self.load(e, request) for e in entries])
         entry = by_name.get(choice)
         if entry is None:
             raise EngineUnavailable(f"policy {self.policy.name} chose {choice!r}, which is not a candidate")

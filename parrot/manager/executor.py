@@ -10,6 +10,8 @@ with a FAILED input. A request runs in one fresh engine context (tokens per temp
 
 fill everything before an output, generate the output (its tokens join the context), materialize it (so its
 consumers start right away, even before the request's later outputs), continue; free the context at the end.
+With prefix sharing (:mod:`parrot.manager.prefix_sharing`) the context is instead created as a fork of a
+prefix context holding the pieces up to a boundary, and the first fill carries only the pieces after it.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from collections.abc import Callable, Iterable
 from parrot.common.errors import ParrotError, StepFailed, UnknownContext, UnknownSession
 from parrot.common.template import TextSegment
 from parrot.common.transforms import apply_transforms
+from parrot.engine.interface import EngineClient, ModelInfo
 from parrot.manager.dispatcher import Dispatcher, DispatchRequest, Lease
 from parrot.manager.graph import PlaceholderBinding, RequestNode, RequestStatus, Variable, VarStatus
 from parrot.manager.perf import PerfCriteria
+from parrot.manager.prefix_sharing import Boundary, Fork, PrefixSharing, PromptHead
 from parrot.manager.prefix_store import ContextRef, PrefixHasher, PrefixStore
 from parrot.manager.session import Session
 
@@ -36,10 +40,11 @@ CLOSE_WAIT_S = 10.0  # how long closing a session waits for its cancelled tasks 
 
 
 class GraphExecutor:
-    def __init__(self, dispatcher: Dispatcher, prefix_store: PrefixStore, *,
+    def __init__(self, dispatcher: Dispatcher, prefix_store: PrefixStore, *, sharing: PrefixSharing | None = None,
                  on_activity: Callable[[Session], None] | None = None, clock: Callable[[], float] = time.time):
         self.dispatcher = dispatcher
         self.prefix_store = prefix_store
+        self.sharing = sharing  # None or disabled: every request fills its whole prompt
         self._on_activity = on_activity or (lambda session: None)
         self._clock = clock
 
@@ -76,6 +81,8 @@ class GraphExecutor:
                 cause_code=UnknownSession.code))
         for ctx in list(session.contexts):
             await self._free(session, ctx)
+        if self.sharing is not None:
+            await self.sharing.close_session(session.session_id)
 
     # ---- propagation ----------------------------------------------------------------------------------------
     def _materialize(self, session: Session, var_id: str, value: str) -> Variable:
@@ -120,6 +127,9 @@ class GraphExecutor:
 
     def _start(self, session: Session, req: RequestNode) -> None:
         session.graph.set_status(req, RequestStatus.READY)
+        # every input is materialized now: queue the full head's hashes, so requests that become ready together
+        # (consumers of one generated document, §8.4) see each other as sharers
+        self.prefix_store.add_queued(_key(session, req), self._known_boundaries(session, req))
         task = asyncio.create_task(self._execute(session, req), name=f"{session.session_id}/{req.request_id}")
         session.tasks.add(task)
         task.add_done_callback(session.tasks.discard)
@@ -149,19 +159,28 @@ class GraphExecutor:
         ctx = f"{req.request_id}-{secrets.token_hex(8)}"
         req.engine, req.context_id = lease.engine, ctx
         graph.set_status(req, RequestStatus.RUNNING)
-        self.prefix_store.remove_queued(_key(session, req))
         session.contexts[ctx] = lease.engine  # before the first fill: a cancelled fill is still freed
+        key = _key(session, req)
+        fork: Fork | None = None
         try:
-            pending: list[int] = [info.bos_token_id] if info.add_bos and info.bos_token_id is not None else []
-            offset = len(pending)  # tokens in the context once `pending` is filled
-            hasher = PrefixHasher()
-            boundaries: list[tuple[str, int]] = []  # (prefix hash, token offset) not yet registered
-            for seg in req.segments:
+            head, n_head, hasher = await self._tokenize_head(session, req, client, info)
+            if self.sharing is not None:
+                fork = self.sharing.plan(session.session_id, key, lease.engine, client, head)
+            self.prefix_store.remove_queued(key)  # after planning: queued peers are what makes a prefix shared
+            if fork is not None and self.sharing is not None and not await self.sharing.wait(fork):
+                self.sharing.release(fork)  # its fill failed: run unshared
+                fork = None
+            fork = await self._first_fill(req, client, ctx, head, fork)
+            self._register(head.boundaries, lease.engine, ctx)
+            pending: list[int] = []
+            offset = len(head.tokens)  # tokens in the context once `pending` is filled
+            boundaries: list[Boundary] = []  # (prefix hash, token offset) not yet registered
+            for seg in req.segments[n_head:]:
                 if isinstance(seg, TextSegment):
                     piece = seg.text
                 else:
                     binding = req.bindings[seg.name]
-                    boundaries.append((hasher.hexdigest, offset))
+                    boundaries.append(Boundary(hasher.hexdigest, offset))
                     if binding.is_output:
                         if pending:
                             await client.fill(pending, ctx)
@@ -179,6 +198,52 @@ class GraphExecutor:
                 hasher.update(piece)
         finally:
             await self._free(session, ctx)
+            if fork is not None and self.sharing is not None:
+                self.sharing.release(fork)
+
+    async def _tokenize_head(self, session: Session, req: RequestNode, client: EngineClient,
+                             info: ModelInfo) -> tuple[PromptHead, int, PrefixHasher]:
+        """BOS + every piece before the first output, each piece tokenized on its own, with a boundary after
+        each piece; the number of segments the head covers; the hasher positioned after them."""
+        tokens: list[int] = [info.bos_token_id] if info.add_bos and info.bos_token_id is not None else []
+        hasher, bounds = PrefixHasher(), []
+        n = 0
+        for n, seg in enumerate(req.segments):
+            if isinstance(seg, TextSegment):
+                piece = seg.text
+            else:
+                binding = req.bindings[seg.name]
+                if binding.is_output:
+                    break
+                piece = _input_value(session.graph.variables[binding.var_id], binding)
+            tokens.extend(await client.tokenize(piece))
+            bounds.append(Boundary(hasher.update(piece), len(tokens)))
+        else:
+            n = len(req.segments)
+        return PromptHead(tuple(tokens), tuple(bounds)), n, hasher
+
+    async def _first_fill(self, req: RequestNode, client: EngineClient, ctx: str, head: PromptHead,
+                          fork: Fork | None) -> Fork | None:
+        """Create ``ctx`` holding the head: a fork of the prefix context plus the rest, or the whole head.
+        Returns the fork actually used (None if unshared)."""
+        if fork is not None:
+            pc = fork.prefix
+            try:
+                await client.fill(list(head.tokens[pc.num_tokens:]), ctx, pc.context_id)
+            except UnknownContext:
+                # only the parent can be unknown (ctx is new): the engine lost it, e.g. after a restart
+                assert self.sharing is not None
+                self.sharing.invalidate(pc)
+                self.sharing.release(fork)
+                fork = None
+            else:
+                assert self.sharing is not None
+                self.sharing.forked(fork)
+                req.prefix_context, req.num_shared_tokens = pc.context_id, pc.num_tokens
+                return fork
+        if head.tokens:
+            await client.fill(list(head.tokens), ctx)
+        return None
 
     async def _generate(self, session: Session, req: RequestNode, binding: PlaceholderBinding, lease: Lease,
                         ctx: str) -> tuple[str, int]:
@@ -205,25 +270,25 @@ class GraphExecutor:
         except ParrotError as e:
             logger.warning("freeing context %s on engine %s failed: %s", ctx, engine, e)
 
-    def _register(self, boundaries: list[tuple[str, int]], engine: str, ctx: str) -> None:
-        for prefix_hash, num_tokens in boundaries:
-            self.prefix_store.add_context(prefix_hash, ContextRef(engine, ctx, num_tokens))
+    def _register(self, boundaries: Iterable[Boundary], engine: str, ctx: str) -> None:
+        for b in boundaries:
+            self.prefix_store.add_context(b.prefix_hash, ContextRef(engine, ctx, b.num_tokens))
 
     # ---- helpers --------------------------------------------------------------------------------------------
     def _known_boundaries(self, session: Session, req: RequestNode) -> list[str]:
-        """Boundary hashes computable now: up to the first input that is not ready, or the first output."""
+        """Boundary hashes computable now (before each placeholder and after each piece): up to the first
+        input that is not ready, or the first output."""
         hasher, out = PrefixHasher(), []
         for seg in req.segments:
             if isinstance(seg, TextSegment):
-                hasher.update(seg.text)
+                out.append(hasher.update(seg.text))
                 continue
-            out.append(hasher.hexdigest)
             binding = req.bindings[seg.name]
             var = session.graph.variables[binding.var_id]
             if binding.is_output or var.status is not VarStatus.READY:
                 break
             try:
-                hasher.update(_input_value(var, binding))
+                out.append(hasher.update(_input_value(var, binding)))
             except ParrotError:
                 break
         return out

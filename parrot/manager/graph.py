@@ -110,6 +110,8 @@ class RequestNode:
     status: RequestStatus = RequestStatus.WAITING
     engine: str | None = None
     context_id: str | None = None
+    prefix_context: str | None = None  # the prefix context its context was forked from (prefix sharing)
+    num_shared_tokens: int = 0  # tokens it inherited from that prefix context instead of filling them
     error: StepFailed | None = None
 
     @property
@@ -303,6 +305,8 @@ class Graph:
             notes = [req.status.value]
             if req.engine:
                 notes.append(f"engine {req.engine}")
+            if req.prefix_context:
+                notes.append(f"prefix {req.prefix_context} ({req.num_shared_tokens} tok)")
             perfs = {self.variables[v].perf.criteria.value for v in req.outputs if self.variables[v].perf}
             notes.extend(f"get:{p}" for p in sorted(perfs))
             if req.error is not None:
@@ -324,7 +328,8 @@ class Graph:
             "requests": [
                 {"request_id": r.request_id, "number": r.number, "name": r.name, "label": r.label,
                  "inputs": list(r.inputs), "outputs": list(r.outputs), "status": r.status.value,
-                 "engine": r.engine, "context_id": r.context_id, "timestamps": r.times.to_dict(),
+                 "engine": r.engine, "context_id": r.context_id, "prefix_context": r.prefix_context,
+                 "num_shared_tokens": r.num_shared_tokens, "timestamps": r.times.to_dict(),
                  "error": _error_json(r.error)}
                 for r in self.requests.values()
             ],

@@ -18,6 +18,7 @@ from parrot.manager.engine_registry import EngineRegistry
 from parrot.manager.executor import GraphExecutor
 from parrot.manager.graph import RequestNode, Variable, VarStatus
 from parrot.manager.perf import PerfCriteria
+from parrot.manager.prefix_sharing import PrefixSharing, PrefixStats, SharingConfig
 from parrot.manager.prefix_store import PrefixStore
 from parrot.manager.session import Session, SessionStore
 from parrot.manager.submit import SubmitSpec, build_bindings
@@ -34,16 +35,26 @@ class ManagerConfig:
     cleanup_interval_s: float = 5.0
     heartbeat_interval_s: float = 2.0  # 0 disables periodic engine status refresh
     max_long_poll_s: float = 60.0
+    # prefix sharing (paper §5.3): fill a shared prompt prefix once into a prefix context and fork sharers
+    prefix_sharing: bool = True
+    prefix_min_tokens: int = 16  # shortest prefix worth a context (one KV block by default)
+    prefix_grace_s: float = 30.0  # an idle prefix context is freed this long after its last child finished
+    max_prefix_contexts_per_engine: int = 16
 
     def __post_init__(self) -> None:
         for name in ("session_ttl_s", "max_session_ttl_s", "cleanup_interval_s", "max_long_poll_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if self.heartbeat_interval_s < 0:
-            raise ValueError(f"heartbeat_interval_s must be >= 0, got {self.heartbeat_interval_s!r}")
-        for name in ("max_sessions", "max_nodes_per_session"):
+        for name in ("heartbeat_interval_s", "prefix_grace_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("max_sessions", "max_nodes_per_session", "prefix_min_tokens", "max_prefix_contexts_per_engine"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+
+    def sharing_config(self) -> SharingConfig:
+        return SharingConfig(enabled=self.prefix_sharing, min_tokens=self.prefix_min_tokens,
+                             grace_s=self.prefix_grace_s, max_per_engine=self.max_prefix_contexts_per_engine)
 
 
 @dataclass(frozen=True)
@@ -68,12 +79,14 @@ class Manager:
                  config: ManagerConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config or ManagerConfig()
         self.registry = registry
-        self.dispatcher = Dispatcher(registry, policy)
         self.prefix_store = PrefixStore()
+        self.dispatcher = Dispatcher(registry, policy, prefix_lookup=self.prefix_store.engine_prefix_tokens)
+        self.sharing = PrefixSharing(self.prefix_store, registry, self.config.sharing_config(), clock=clock)
         self.sessions = SessionStore(default_ttl_s=self.config.session_ttl_s,
                                      max_ttl_s=self.config.max_session_ttl_s, max_sessions=self.config.max_sessions,
                                      max_nodes_per_session=self.config.max_nodes_per_session, clock=clock)
-        self.executor = GraphExecutor(self.dispatcher, self.prefix_store, on_activity=self.sessions.touch)
+        self.executor = GraphExecutor(self.dispatcher, self.prefix_store, sharing=self.sharing,
+                                      on_activity=self.sessions.touch)
         self._background: list[asyncio.Task] = []
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
@@ -94,12 +107,14 @@ class Manager:
         for session in self.sessions.all():
             self.sessions.pop(session.session_id)
             await self.executor.close_session(session)
+        await self.sharing.close()
 
     async def _cleanup_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.cleanup_interval_s)
             try:
                 await self.expire_sessions()
+                await self.sharing.collect()
             except Exception:  # keep the loop alive; a bug here must not stop future cleanups
                 logger.exception("session cleanup failed")
 
@@ -166,6 +181,14 @@ class Manager:
         req = session.graph.add_request(spec.name, segments, bindings, tuple(spec.models))
         self.executor.submitted(session, req)
         return req
+
+    def prefix_stats(self) -> PrefixStats:
+        """Prefix-sharing counters (contexts created/freed, forks, tokens shared and saved)."""
+        return self.sharing.stats()
+
+    def stats(self) -> dict:
+        """Manager-wide counters for ``GET /api/v1/stats``."""
+        return {"sessions": len(self.sessions), "prefix_sharing": self.sharing.stats().to_dict()}
 
     def dag(self, session: Session) -> DagDump:
         data = session.graph.to_json()

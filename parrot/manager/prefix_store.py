@@ -7,16 +7,19 @@ boundaries are part of the identity)::
 
     h0 = H("parrot-prefix-v1")      h(k) = H(h(k-1) | len(piece_k) | piece_k)
 
-A *boundary* is the position right before a placeholder; its hash is that of every piece before it. Because
-engines tokenize each piece separately, equal boundary hashes mean equal token prefixes on engines with the
-same tokenizer, so a context holding that prefix can be forked instead of re-filled (issue 4 uses this).
+A *boundary* is a position between two pieces (right before a placeholder, or right after an input value);
+its hash is that of every piece before it. Because engines tokenize each piece separately, equal boundary
+hashes mean equal token prefixes on engines with the same tokenizer, so a context holding that prefix can be
+forked instead of re-filled (:mod:`parrot.manager.prefix_sharing` does that with *prefix contexts*, which the
+store indexes by (engine, hash) next to the request contexts it already tracks).
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 _SEED = hashlib.sha256(b"parrot-prefix-v1").digest()
 
@@ -58,12 +61,46 @@ class PrefixEntry:
     contexts: frozenset[ContextRef]
 
 
+class PrefixState(enum.Enum):
+    FILLING = "filling"  # the fill is in flight; forks wait for it
+    READY = "ready"  # the engine holds the prefix; forks may start
+    FAILED = "failed"  # the fill failed: sharers run unshared; kept until collected (no retry storm)
+    FREED = "freed"  # dropped from the store; late releases are harmless
+
+
+@dataclass(eq=False)
+class PrefixContext:
+    """An engine context holding exactly one prompt prefix (BOS + the pieces up to a boundary), created only
+    to be forked from. Written only by :class:`~parrot.manager.prefix_sharing.PrefixSharing`.
+
+    ``children`` counts live forks: request contexts and nested prefix contexts that share its KV blocks.
+    ``client`` is the engine client that created it: if the registry later holds another client under the
+    same name, the engine restarted and the context is gone.
+    """
+
+    engine: str
+    context_id: str
+    prefix_hash: str
+    num_tokens: int  # BOS included
+    client: object
+    last_used: float
+    parent: "PrefixContext | None" = None  # a shorter prefix context it was forked from (holds a ref on it)
+    state: PrefixState = PrefixState.FILLING
+    children: int = 0
+    sessions: set[str] = field(default_factory=set)  # sessions whose requests used it (freed when all are gone)
+
+    @property
+    def usable(self) -> bool:
+        return self.state in (PrefixState.FILLING, PrefixState.READY)
+
+
 class PrefixStore:
     """hash -> {queued request keys, engine contexts}. One per manager (sharing spans sessions/apps).
 
     The executor is the only writer: it adds a request's known boundary hashes when the request is queued,
     removes them when it is dispatched, adds a ContextRef per boundary once the engine holds that prefix, and
-    removes every ref of a context when it frees the context.
+    removes every ref of a context when it frees the context. Prefix contexts are added and removed by
+    :class:`~parrot.manager.prefix_sharing.PrefixSharing` only.
     """
 
     def __init__(self) -> None:
@@ -71,6 +108,7 @@ class PrefixStore:
         self._contexts: dict[str, set[ContextRef]] = {}
         self._by_request: dict[str, list[str]] = {}
         self._by_context: dict[tuple[str, str], list[tuple[str, ContextRef]]] = {}
+        self._prefix: dict[tuple[str, str], PrefixContext] = {}  # (engine, hash) -> prefix context
 
     def add_queued(self, request_key: str, hashes: Iterable[str]) -> None:
         hashes = list(dict.fromkeys(hashes))
@@ -101,9 +139,46 @@ class PrefixStore:
                 if not refs:
                     del self._contexts[h]
 
+    # ---- prefix contexts (one per engine and hash) ----------------------------------------------------------------
+    def add_prefix_context(self, pc: PrefixContext) -> None:
+        key = (pc.engine, pc.prefix_hash)
+        if key in self._prefix:
+            raise ValueError(f"engine {pc.engine} already has a prefix context for {pc.prefix_hash[:12]}")
+        self._prefix[key] = pc
+
+    def remove_prefix_context(self, pc: PrefixContext) -> None:
+        if self._prefix.get((pc.engine, pc.prefix_hash)) is pc:
+            del self._prefix[(pc.engine, pc.prefix_hash)]
+
+    def prefix_context(self, engine: str, prefix_hash: str) -> PrefixContext | None:
+        return self._prefix.get((engine, prefix_hash))
+
+    def prefix_contexts(self, engine: str | None = None) -> list[PrefixContext]:
+        return [pc for (e, _), pc in self._prefix.items() if engine is None or e == engine]
+
+    def sharers(self, prefix_hash: str, engine: str, exclude: str | None = None) -> int:
+        """Requests that want this prefix: queued ones (any engine; not placed yet) plus request contexts on
+        ``engine`` holding it, not counting the request key ``exclude``."""
+        queued = self._queued.get(prefix_hash, set())
+        running = {r.context_id for r in self._contexts.get(prefix_hash, ()) if r.engine == engine}
+        return len(queued) - (exclude in queued) + len(running)
+
+    def engine_prefix_tokens(self, engine: str, prefix_hashes: Sequence[str]) -> int:
+        """Tokens of the longest of ``prefix_hashes`` that ``engine`` holds (a usable prefix context or a live
+        request context), 0 if none: what a policy needs to keep sharers together (Algorithm 1, CtxInEngine)."""
+        best = 0
+        for h in prefix_hashes:
+            pc = self._prefix.get((engine, h))
+            if pc is not None and pc.usable:
+                best = max(best, pc.num_tokens)
+            for ref in self._contexts.get(h, ()):
+                if ref.engine == engine:
+                    best = max(best, ref.num_tokens)
+        return best
+
     def lookup(self, prefix_hash: str) -> PrefixEntry:
         return PrefixEntry(frozenset(self._queued.get(prefix_hash, ())),
                            frozenset(self._contexts.get(prefix_hash, ())))
 
     def __len__(self) -> int:
-        return len(self._queued.keys() | self._contexts.keys())
+        return len(self._queued.keys() | self._contexts.keys() | {h for _, h in self._prefix})

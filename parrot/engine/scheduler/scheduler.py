@@ -203,6 +203,8 @@ class Scheduler:
                 return Chunk(op, ctx.num_computed, 0, sample=True)  # sample from the stored hidden state
             self.uncompute_tail(ctx)
         remaining = ctx.num_uncomputed
+        if remaining == 0:  # a FILL served entirely by the prefix cache: admit it; it completes this step
+            return Chunk(op, ctx.num_computed, 0, sample=False)
         n = min(remaining, budget)
         if n <= 0:
             return None
