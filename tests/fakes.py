@@ -8,10 +8,12 @@ Tokenizer: one token per UTF-8 byte, id = byte + 3 (0 = pad, 1 = BOS, 2 = EOS); 
 "Model": the reply to a context is :meth:`FakeEngine.reply_for` of the context text, followed by
 ``"\\nrest of the answer"`` (so a stop at ``"\\n"`` ends it at the reply), then EOS. Sampled generations
 (temperature > 0) append ``#<seed>`` (or ``#<n>``, a per-engine counter, without a seed).
-Knobs: ``fail_generate_when`` (a substring of the context text that makes generate raise EngineError),
-``fail_fill_when`` (a substring of the context id that makes fill raise EngineError before creating it),
-``gate`` (an asyncio.Event generate waits on), ``fill_gate`` (one fill waits on), ``token_delay_s`` (stream
-pacing), ``max_model_len``. Forks are fills with a parent: see :meth:`FakeEngine.forks`.
+Knobs: ``reply_lead`` (text put before every reply, e.g. ``" "`` like a BPE model whose first generated
+token carries the word's leading space), ``fail_generate_when`` (a substring of the context text that makes
+generate raise EngineError), ``fail_fill_when`` (a substring of the context id that makes fill raise
+EngineError before creating it), ``gate`` (an asyncio.Event generate waits on), ``fill_gate`` (one fill waits
+on), ``token_delay_s`` (stream pacing), ``max_model_len``. Forks are fills with a parent: see
+:meth:`FakeEngine.forks`; every text given to tokenize is recorded in ``tokenized``.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ class FakeEngine(EngineClient):
         self.contexts: dict[str, list[int]] = {}
         self.calls: list[tuple] = []  # ("fill"|"generate"|"free", context_id, parent_context_id or None, ...)
         self.freed: list[str] = []
+        self.tokenized: list[str] = []  # every text passed to tokenize, in order
+        self.reply_lead = ""
         self.fail_generate_when: str | None = None
         self.fail_fill_when: str | None = None
         self.gate: asyncio.Event | None = None
@@ -69,7 +73,7 @@ class FakeEngine(EngineClient):
         reply = self.reply_for(context_text)
         if not sampling.greedy:
             reply += f"#{sampling.seed if sampling.seed is not None else next(self._counter)}"
-        return reply + TAIL
+        return self.reply_lead + reply + TAIL
 
     # ---- tokenizer ----------------------------------------------------------------------------------------------
     @staticmethod
@@ -81,6 +85,7 @@ class FakeEngine(EngineClient):
         return bytes(t - OFFSET for t in token_ids if t >= OFFSET).decode("utf-8", errors="replace")
 
     async def tokenize(self, text: str) -> list[int]:
+        self.tokenized.append(text)
         return self.encode(text)
 
     async def detokenize(self, token_ids: list[int]) -> str:

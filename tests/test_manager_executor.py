@@ -13,7 +13,7 @@ from parrot.manager import EngineRegistry, Manager, ManagerConfig
 from parrot.manager.graph import RequestStatus, VarStatus
 from parrot.manager.prefix_store import prefix_hashes
 from parrot.manager.submit import PlaceholderSpec, SubmitSpec
-from fakes import TAIL, FakeEngine
+from fakes import BOS, TAIL, FakeEngine
 
 
 def run(coro_fn, engine: FakeEngine | None = None, **config):
@@ -51,9 +51,10 @@ def test_two_outputs_generated_in_order_in_one_context():
 
     eng = FakeEngine()
     req, b, c = run(body, eng)
-    expected_b = FakeEngine.reply_for("A: hi\nB: ")  # default stop "\n" ends b at the reply
+    # the space before each output is left for the model to generate (BPE attaches it to the next word)
+    expected_b = FakeEngine.reply_for("A: hi\nB:")  # default stop "\n" ends b at the reply
     assert b.value == expected_b
-    assert c.value == FakeEngine.reply_for("A: hi\nB: " + expected_b + "\nC: ") + TAIL  # c saw b's text
+    assert c.value == FakeEngine.reply_for("A: hi\nB:" + expected_b + "\nC:") + TAIL  # c saw b's text
     kinds = [call[0] for call in eng.calls]
     assert kinds == ["fill", "generate", "fill", "generate", "free"]
     assert eng.calls[1][3].stop == ("\n",) and eng.calls[3][3].stop == ()
@@ -62,6 +63,42 @@ def test_two_outputs_generated_in_order_in_one_context():
     assert req.status is RequestStatus.FINISHED
     t = req.times
     assert t.submitted <= t.dispatched <= t.first_token <= t.finished
+
+
+def test_spaces_before_a_placeholder_move_onto_it_and_other_whitespace_stays():
+    """BPE attaches a word's leading space to the word: the spaces ending a text piece right before a
+    placeholder lead an input's value, and before an output they are left for the model to generate (and
+    stripped from the value). Newlines, tabs and spaces followed by a newline stay in their piece."""
+    template = "Topic: {{input:t}}\nNotes: \n{{input:n}}\nTitle: {{output:x}}\nTab:\t{{output:y}}"
+    pieces = ["Topic:", " parrots", "\nNotes: \n", "loud", "\nTitle:"]  # the head, tokenized piece by piece
+    ctx1 = "".join(pieces)
+
+    async def body(mgr, eng):
+        eng.reply_lead = " "  # like a real model: the first generated token carries the space
+        eng.gate = asyncio.Event()
+        s = mgr.create_session()
+        t, n = mgr.create_variable(s, "t", "parrots"), mgr.create_variable(s, "n", "loud")
+        r = mgr.submit(s, SubmitSpec(template, [inp("t", t.var_id), inp("n", n.var_id), out("x"), out("y")]))
+        queued = mgr.prefix_store.lookup(prefix_hashes(pieces)[-1]).queued  # hashed at queue time
+        await asyncio.sleep(0.05)  # running: filled, blocked in the first generate
+        running = mgr.prefix_store.lookup(prefix_hashes(pieces)[-1])  # hashed at run time
+        eng.gate.set()
+        x = await mgr.get_variable(s, r.outputs[0], timeout_s=5)
+        y = await mgr.get_variable(s, r.outputs[1], timeout_s=5)
+        return f"{s.session_id}/{r.request_id}", queued, running, x.value, y.value, r
+
+    eng = FakeEngine()
+    key, queued, running, x, y, r = run(body, eng)
+    assert eng.tokenized == pieces + ["\nTab:\t"]
+    assert [c[0] for c in eng.calls] == ["fill", "generate", "fill", "generate", "free"]
+    assert eng.calls[0][3] == [BOS] + FakeEngine.encode(ctx1)  # " parrots" in the same fill, no lone space
+    assert queued == {key} and {(c.context_id, c.num_tokens) for c in running.contexts} == {
+        (r.context_id, 1 + len(ctx1))}
+    # x is generated from a context ending in "Title:"; the model's " " is in the context, not in the value
+    assert x == FakeEngine.reply_for(ctx1) and not x.startswith(" ")
+    assert eng.calls[2][3] == FakeEngine.encode("\nTab:\t")  # the tab is filled, not moved
+    # y follows a tab: nothing was moved, so the generated leading space stays in its value
+    assert y == " " + FakeEngine.reply_for(ctx1 + " " + x + "\nTab:\t") + TAIL
 
 
 def test_dependent_request_runs_server_side_before_client_fetch():
@@ -80,8 +117,10 @@ def test_dependent_request_runs_server_side_before_client_fetch():
         return r1, r2, test, code_view, fetched_code_at, mgr.dag(s)
 
     r1, r2, test, code, fetched_at, dag = run(body)
-    assert code.value == FakeEngine.reply_for("Code of snake: ")
-    assert test.value == FakeEngine.reply_for(f"Test snake {code.value}: ") + TAIL
+    # trailing spaces before a placeholder move onto it: "Code of snake:" is generated from, and the space-only
+    # text between the two inputs becomes the leading space of the second value
+    assert code.value == FakeEngine.reply_for("Code of snake:")
+    assert test.value == FakeEngine.reply_for(f"Test snake {code.value}:") + TAIL
     assert r1.times.finished <= r2.times.dispatched < fetched_at
     assert "%3 = r_2 write_test(test) <- %1, %2  [finished, engine fake0]" in dag.text
 
@@ -169,7 +208,8 @@ def test_prefix_hashes_recorded_for_queue_and_contexts():
         s = mgr.create_session()
         x = mgr.create_variable(s, "x")
         r = mgr.submit(s, SubmitSpec("SYS {{input:x}} Q {{output:y}}", [inp("x", x.var_id), out("y")]))
-        h_before_x, h_before_y = prefix_hashes(["SYS ", "val", " Q "])[0], prefix_hashes(["SYS ", "val", " Q "])[2]
+        pieces = ["SYS", " val", " Q"]  # the space before each placeholder is part of the piece after it
+        h_before_x, h_before_y = prefix_hashes(pieces)[0], prefix_hashes(pieces)[2]
         key = f"{s.session_id}/{r.request_id}"
         queued = mgr.prefix_store.lookup(h_before_x).queued
         eng.gate = asyncio.Event()
@@ -183,8 +223,8 @@ def test_prefix_hashes_recorded_for_queue_and_contexts():
 
     key, queued, (at_x, at_y), after, r = run(body)
     assert queued == {key}
-    assert at_x.queued == frozenset() and {(c.context_id, c.num_tokens) for c in at_x.contexts} == {(r.context_id, 5)}
-    assert {(c.engine, c.num_tokens) for c in at_y.contexts} == {("fake0", 1 + len("SYS val Q "))}
+    assert at_x.queued == frozenset() and {(c.context_id, c.num_tokens) for c in at_x.contexts} == {(r.context_id, 1 + len("SYS"))}
+    assert {(c.engine, c.num_tokens) for c in at_y.contexts} == {("fake0", 1 + len("SYS val Q"))}
     assert after.contexts == frozenset()  # freed with the context
 
 

@@ -19,7 +19,9 @@ from fakes import BOS, TAIL, FakeEngine
 SYS = ("You are Parrot, a helpful assistant for a travel agency. Answer politely, in one short sentence, "
        "and never invent prices.\n")
 TEMPLATE = SYS + "Q: {{input:q}}\nA: {{output:a}}"
-PREFIX_TOKENS = [BOS] + FakeEngine.encode(SYS + "Q: ")  # the text before the first input, shared by all
+# the text before the first input, shared by all; its trailing space moves onto the input value (BPE attaches a
+# word's leading space to the word, see executor._moved_spaces)
+PREFIX_TOKENS = [BOS] + FakeEngine.encode(SYS + "Q:")
 QUERIES = [f"question number {i}?" for i in range(8)]
 
 
@@ -86,8 +88,8 @@ def test_shared_system_prompt_is_filled_once_and_forked_by_every_request():
     assert len(forks) == 8 and {f[2] for f in forks} == {pid}
     query_of = {r.context_id: q for r, q in zip(reqs, QUERIES)}
     assert {f[1] for f in forks} == set(query_of)
-    assert all(f[3] == FakeEngine.encode(query_of[f[1]] + "\nA: ") for f in forks)  # only the rest is filled
-    assert values == [FakeEngine.reply_for(SYS + f"Q: {q}\nA: ") + TAIL for q in QUERIES]
+    assert all(f[3] == FakeEngine.encode(" " + query_of[f[1]] + "\nA:") for f in forks)  # only the rest is filled
+    assert values == [FakeEngine.reply_for(SYS + f"Q: {q}\nA:") + TAIL for q in QUERIES]
     assert all(r.status is RequestStatus.FINISHED and r.prefix_context == pid
                and r.num_shared_tokens == len(PREFIX_TOKENS) for r in reqs)
     assert alive == {pid} and early == 0  # children freed, prefix context kept during the grace period
@@ -164,9 +166,9 @@ def test_generated_document_is_shared_by_its_consumers():
     eng = FakeEngine()
     doc, values, bs = run(body, eng)
     (fill,) = prefix_fills(eng)
-    assert fill[3] == [BOS] + FakeEngine.encode(doc) + FakeEngine.encode("\nReview the code of ")
+    assert fill[3] == [BOS] + FakeEngine.encode(doc) + FakeEngine.encode("\nReview the code of")
     assert len(eng.forks()) == 5 and {f[2] for f in eng.forks()} == {fill[1]}
-    assert values == [FakeEngine.reply_for(f"{doc}\nReview the code of module {i}. ") + TAIL
+    assert values == [FakeEngine.reply_for(f"{doc}\nReview the code of module {i}.") + TAIL
                       for i in range(4)]
     assert all(b.prefix_context == fill[1] for b in bs)
 
@@ -217,7 +219,7 @@ def test_failed_prefix_fill_falls_back_to_unshared_or_fails_typed(max_model_len,
     assert len(prefix_fills(eng)) == 1 and stats["prefix_sharing"]["fill_failures"] == 1
     assert eng.forks() == [] and all(r.prefix_context is None for r in reqs)
     if cause is None:  # every sharer completed unshared, with the unshared answer
-        assert results == [FakeEngine.reply_for(SYS + f"Q: {q}\nA: ") + TAIL for q in QUERIES]
+        assert results == [FakeEngine.reply_for(SYS + f"Q: {q}\nA:") + TAIL for q in QUERIES]
     else:  # the prompt is too long anyway: every request fails with the typed cause, as it would unshared
         assert all(isinstance(e, StepFailed) and e.cause_code == cause for e in results)
     assert eng.contexts == {}
@@ -266,8 +268,8 @@ def test_engine_that_lost_the_prefix_context_falls_back_and_a_restarted_engine_i
 
     eng = FakeEngine()
     pid, lost, after_lost, new, restarted = run(body, eng)
-    assert lost == [FakeEngine.reply_for(SYS + f"Q: {q}\nA: ") + TAIL for q in QUERIES[2:4]]
-    assert restarted == [FakeEngine.reply_for(SYS + f"Q: {q}\nA: ") + TAIL for q in QUERIES[4:6]]
+    assert lost == [FakeEngine.reply_for(SYS + f"Q: {q}\nA:") + TAIL for q in QUERIES[2:4]]
+    assert restarted == [FakeEngine.reply_for(SYS + f"Q: {q}\nA:") + TAIL for q in QUERIES[4:6]]
     assert all(f[2] == pid for f in eng.forks())  # the failed fork attempts named the lost context ...
     assert after_lost["forks"] == 2  # ... and only the first two requests count as forks
     (new_fill,) = prefix_fills(new)

@@ -175,10 +175,9 @@ class GraphExecutor:
             pending: list[int] = []
             offset = len(head.tokens)  # tokens in the context once `pending` is filled
             boundaries: list[Boundary] = []  # (prefix hash, token offset) not yet registered
-            for seg in req.segments[n_head:]:
-                if isinstance(seg, TextSegment):
-                    piece = seg.text
-                else:
+            for i in range(n_head, len(req.segments)):
+                seg = req.segments[i]
+                if not isinstance(seg, TextSegment):
                     binding = req.bindings[seg.name]
                     boundaries.append(Boundary(hasher.hexdigest, offset))
                     if binding.is_output:
@@ -187,11 +186,12 @@ class GraphExecutor:
                             pending = []
                         self._register(boundaries, lease.engine, ctx)
                         boundaries = []
-                        piece, n = await self._generate(session, req, binding, lease, ctx)
+                        piece, n = await self._generate(session, req, binding, lease, ctx,
+                                                        lead=_moved_spaces(req.segments, i - 1))
                         offset += n
                         hasher.update(piece)
                         continue
-                    piece = _input_value(graph.variables[binding.var_id], binding)
+                piece = _piece(session, req, i)
                 toks = await client.tokenize(piece)
                 pending.extend(toks)
                 offset += len(toks)
@@ -209,13 +209,9 @@ class GraphExecutor:
         hasher, bounds = PrefixHasher(), []
         n = 0
         for n, seg in enumerate(req.segments):
-            if isinstance(seg, TextSegment):
-                piece = seg.text
-            else:
-                binding = req.bindings[seg.name]
-                if binding.is_output:
-                    break
-                piece = _input_value(session.graph.variables[binding.var_id], binding)
+            if not isinstance(seg, TextSegment) and req.bindings[seg.name].is_output:
+                break
+            piece = _piece(session, req, n)
             tokens.extend(await client.tokenize(piece))
             bounds.append(Boundary(hasher.update(piece), len(tokens)))
         else:
@@ -246,15 +242,21 @@ class GraphExecutor:
         return None
 
     async def _generate(self, session: Session, req: RequestNode, binding: PlaceholderBinding, lease: Lease,
-                        ctx: str) -> tuple[str, int]:
-        """Generate one output into ``ctx`` and materialize it; return (raw text, tokens generated)."""
+                        ctx: str, *, lead: int = 0) -> tuple[str, int]:
+        """Generate one output into ``ctx`` and materialize it; return (raw text, tokens generated).
+
+        ``lead``: spaces the template had right before this output, left out of the fill (see _moved_spaces);
+        the model generates them itself, and they are not part of the value."""
         assert binding.sampling is not None and binding.var_id is not None
         started = self._clock()
         result = await lease.client.generate(binding.sampling, ctx)
         if req.times.first_token is None:
             # the engine reports its time to first token (queueing included); the call started at `started`
             req.times.first_token = min(started + result.ttft_s, self._clock())
-        value = apply_transforms(list(binding.transforms), result.text) if binding.transforms else result.text
+        text = result.text
+        if lead and text.startswith(" " * lead):
+            text = text[lead:]
+        value = apply_transforms(list(binding.transforms), text) if binding.transforms else text
         self._materialize(session, binding.var_id, value)
         return result.text, len(result.token_ids)
 
@@ -279,16 +281,13 @@ class GraphExecutor:
         """Boundary hashes computable now (before each placeholder and after each piece): up to the first
         input that is not ready, or the first output."""
         hasher, out = PrefixHasher(), []
-        for seg in req.segments:
-            if isinstance(seg, TextSegment):
-                out.append(hasher.update(seg.text))
-                continue
-            binding = req.bindings[seg.name]
-            var = session.graph.variables[binding.var_id]
-            if binding.is_output or var.status is not VarStatus.READY:
-                break
+        for i, seg in enumerate(req.segments):
+            if not isinstance(seg, TextSegment):
+                binding = req.bindings[seg.name]
+                if binding.is_output or session.graph.variables[binding.var_id].status is not VarStatus.READY:
+                    break
             try:
-                out.append(hasher.update(_input_value(var, binding)))
+                out.append(hasher.update(_piece(session, req, i)))
             except ParrotError:
                 break
         return out
@@ -306,6 +305,30 @@ class GraphExecutor:
             prompt_tokens=chars // 4,  # rough estimate before tokenization (the engine is not chosen yet)
             max_new_tokens=sum(b.sampling.max_tokens for b in outputs if b.sampling is not None),
             perf=perf, prefix_hashes=tuple(self._known_boundaries(session, req)))
+
+
+def _moved_spaces(segments, i: int) -> int:
+    """Trailing spaces of text segment ``i`` that move to the placeholder after it.
+
+    BPE tokenizers attach a word's leading space to the word ("Title: Paris" is `Title` `:` ` Paris`), so a
+    prompt piece ending in a space followed by a value tokenized on its own would give the model a lone
+    space token it never saw in training (and a small model then derails). Moving the spaces onto the value
+    (input) or leaving them for the model to generate (output) keeps the tokens natural. Pieces are still
+    tokenized one by one, so token ids stay identical across requests that share a prefix."""
+    if 0 <= i < len(segments) - 1 and isinstance(segments[i], TextSegment) \
+            and not isinstance(segments[i + 1], TextSegment):
+        text = segments[i].text
+        return len(text) - len(text.rstrip(" "))
+    return 0
+
+
+def _piece(session: Session, req: RequestNode, i: int) -> str:
+    """The text segment ``i`` of ``req`` or the value of its input placeholder, as filled into the context."""
+    seg = req.segments[i]
+    if isinstance(seg, TextSegment):
+        return seg.text[: len(seg.text) - _moved_spaces(req.segments, i)]
+    binding = req.bindings[seg.name]
+    return " " * _moved_spaces(req.segments, i - 1) + _input_value(session.graph.variables[binding.var_id], binding)
 
 
 def _input_value(var: Variable, binding: PlaceholderBinding) -> str:
