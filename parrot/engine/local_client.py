@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 
+from parrot.common.errors import ParrotError
 from parrot.common.sampling import FinishReason, SamplingParams
 from parrot.engine.engine import LLMEngine
 from parrot.engine.interface import (
@@ -15,6 +17,9 @@ from parrot.engine.interface import (
     GenerateResult,
     ModelInfo,
 )
+
+
+log = logging.getLogger(__name__)
 
 
 class LocalEngineClient(EngineClient):
@@ -75,14 +80,18 @@ class LocalEngineClient(EngineClient):
                 # the consumer went away mid-stream: stop decoding by freeing the context
                 try:
                     await asyncio.wrap_future(self.engine.free_context(context_id))
-                except Exception:
-                    pass
+                except ParrotError as e:  # already freed by its owner: nothing left to stop
+                    log.debug("free after abandoned stream of %s: %s", context_id, e)
 
     async def free_context(self, context_id: str) -> None:
         await asyncio.wrap_future(self.engine.free_context(context_id))
 
     async def status(self) -> EngineStatus:
         return self.engine.status()
+
+    async def set_token_cap(self, max_running_tokens: int | None) -> bool:
+        await asyncio.wrap_future(self.engine.set_token_cap(max_running_tokens))
+        return True
 
     async def tokenize(self, text: str) -> list[int]:
         return self.engine.tokenizer.encode(text)
