@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from parrot.engine.config import ModelConfig
 from parrot.engine.engine import LLMEngine
 from parrot.engine.kv_cache.block_pool import BlockPool
 from parrot.engine.local_client import LocalEngineClient
@@ -20,18 +21,33 @@ log = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
+# EngineSettings.random_model="tiny" (tests only: engine processes that start in a second and compute fast).
+# The head is untied: a random tied head would just echo the last input token.
+TINY_RANDOM_CONFIG = ModelConfig(
+    name="tiny-random-llama", arch="llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2,
+    num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+    max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,),
+)
+
 
 def build_engine(settings: EngineSettings, *, model=None, tokenizer=None) -> LLMEngine:
     """Load (or take) the model + tokenizer and start an LLMEngine. ``model``/``tokenizer`` are for tests."""
     if settings.num_threads:
         torch.set_num_threads(settings.num_threads)
+    if model is None and settings.random_model == "tiny":
+        from parrot.engine.models.llama import build_random_model
+        from parrot.engine.tokenizer import load_tokenizer
+
+        model = build_random_model(TINY_RANDOM_CONFIG, dtype=_DTYPES[settings.dtype], device=settings.device,
+                                   seed=settings.seed)
+        tokenizer = load_tokenizer(resolve_model_path(None))
     if model is None:
         from parrot.engine.models.llama import load_model
         from parrot.engine.tokenizer import load_tokenizer
 
         path = resolve_model_path(settings.model)
         model = load_model(path, dtype=_DTYPES[settings.dtype], device=settings.device,
-                           weight_quant=settings.weight_quant)
+                           weight_quant=settings.resolved_weight_quant)
         tokenizer = load_tokenizer(path)
         model_name = os.path.basename(path.rstrip("/"))
     else:

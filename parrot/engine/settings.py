@@ -18,8 +18,11 @@ class EngineSettings(BaseSettings):
     dtype: Literal["bfloat16", "float32"] = Field(
         "bfloat16", description="compute dtype; bf16 uses the CPU's AMX/AVX512-BF16 matmul and is the default"
     )
-    weight_quant: Literal["none", "int8"] = Field(
-        "int8", description="int8 weight-only kernels for small token counts (decode); bf16 GEMM for prefill"
+    weight_quant: Literal["auto", "none", "int8", "int4"] = Field(
+        "auto",
+        description="weight-only kernels for small token counts (decode), dense GEMM for prefill: int4 = group-32 "
+        "(exact for Q4_1 GGUFs, bf16 on CPU only), int8 = per-row; none = dense always; auto = int4 for bf16 "
+        "on CPU, else none",
     )
     device: str = Field("cpu", description="'cpu' or 'cuda' (CUDA when present)")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads; None = all cores")
@@ -38,6 +41,15 @@ class EngineSettings(BaseSettings):
         True, description="decode rows sharing a prefix attend to it once (one batched matmul, merged by LSE)"
     )
     seed: int = Field(0, description="base seed for sampling without an explicit per-request seed")
+    random_model: Literal["tiny"] | None = Field(
+        None, description="TESTS ONLY: a tiny random-weight LLaMA with the default tokenizer instead of `model`",
+        json_schema_extra={"hidden": True})
+
+    @property
+    def resolved_weight_quant(self) -> str:
+        if self.weight_quant != "auto":
+            return self.weight_quant
+        return "int4" if self.dtype == "bfloat16" and self.device == "cpu" else "none"
 
     @model_validator(mode="after")
     def _check(self) -> "EngineSettings":

@@ -1,0 +1,117 @@
+"""Bias-free linear layer with an optional int8 weight-only kernel, picked per call by the number of rows.
+
+Weight-only int8 (``weight_quant="int8"``): per-output-channel symmetric quantization
+
+    W[n, :] ~= scale[n] * Wq[n, :],   Wq in [-127, 127],   scale[n] = max|W[n, :]| / 127
+
+run by ``torch.ops.aten._weight_int8pack_mm(x, Wq[N, K], scale[N])``, which streams 1 byte per weight. It wins
+where the layer is bandwidth-bound (decode: few rows) and loses to the dense bf16/fp32 GEMM (AMX/AVX-512)
+once there are enough rows to be compute-bound (prefill). So an int8 layer also keeps the dense copy and uses
+it for ``rows > int8_max_rows``. That costs 1 + 2 bytes per weight (bf16) -- ~0.4 GB for a 135M model, fine
+here; pass ``int8_max_rows=None`` to drop the dense copy and always use int8.
+
+The kernel is fast only for bf16 activations (measured: with fp32 activations it is ~7x slower than the fp32
+dense GEMV), so an fp32 model runs its int8 matmuls in bf16 (activations cast in, result cast back).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from parrot.engine.layers.int4 import INT4_GROUP, quantize_int4
+
+WEIGHT_QUANTS = ("none", "int8", "int4")
+# Measured on the dev box (SmolLM2 shapes, bf16 activations): int8 beats the dense kernel up to 4 rows
+# (T=1: ~2.5x, T=4: ~1.1x); from 8 rows on the dense bf16 GEMM wins.
+INT8_MAX_ROWS = 4
+# int4 (group 32) GEMV streams half of int8's bytes; like int8 it loses to the dense GEMM beyond a few rows
+INT4_MAX_ROWS = 4
+_INT8_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def int8_compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The activation dtype the int8 kernel runs in for a model of ``dtype`` (fp32 models use bf16 there)."""
+    return torch.bfloat16 if dtype == torch.float32 else dtype
+
+
+def int8_kernel_available(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether ``_weight_int8pack_mm`` runs for activations of ``dtype`` on ``device`` (probed with a tiny call)."""
+    op = getattr(torch.ops.aten, "_weight_int8pack_mm", None)
+    if op is None or dtype not in _INT8_DTYPES:
+        return False
+    try:
+        x = torch.zeros(1, 32, dtype=dtype, device=device)
+        w = torch.zeros(8, 32, dtype=torch.int8, device=device)
+        op(x, w, torch.ones(8, dtype=dtype, device=device))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def quantize_int8(weight: Tensor, scale_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Per-row symmetric int8 of a float [N, K] weight -> (int8 [N, K], scales [N] in ``scale_dtype``).
+
+    The kernel wants scales in the activation dtype; we round the scale to that dtype *before* quantizing, so
+    the only error is the int8 rounding (a bf16-rounded scale would otherwise bias a whole output row)."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).to(scale_dtype)
+    q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+class FastLinear(nn.Module):
+    """``y = x @ W.T`` for 2-D ``x`` [rows, in_features]; no bias.
+
+    Buffers: ``weight`` (dense, compute dtype) unless dropped, and for a quantized layer ``qweight`` plus
+    ``scales`` (int8: [N] per-row scales; int4: [K/32, N, 2] group scales and zeros, see layers/int4.py).
+    Rows <= ``quant_max_rows`` run the quantized kernel (bandwidth-bound decode), more rows the dense GEMM."""
+
+    weight: Tensor | None
+    qweight: Tensor | None
+    scales: Tensor | None
+
+    def __init__(self, weight: Tensor, *, dtype: torch.dtype, quant: str = "none",
+                 quant_max_rows: int | None = None) -> None:
+        super().__init__()
+        if quant not in WEIGHT_QUANTS:
+            raise ValueError(f"weight_quant must be one of {WEIGHT_QUANTS}, got {quant!r}")
+        if weight.dim() != 2:
+            raise ValueError(f"FastLinear weight must be 2-D, got shape {tuple(weight.shape)}")
+        self.out_features, self.in_features = weight.shape
+        self.quant = quant
+        if quant == "none":
+            self.quant_max_rows = None
+        elif quant_max_rows is None:
+            self.quant_max_rows = INT4_MAX_ROWS if quant == "int4" else INT8_MAX_ROWS
+        else:
+            self.quant_max_rows = quant_max_rows
+        self.register_buffer("weight", weight.to(dtype).contiguous())
+        # the dtype the quantized kernel runs in (its scales must match the activations)
+        self.int8_dtype = int8_compute_dtype(dtype) if quant == "int8" else dtype
+        if quant == "int8":
+            qweight, scales = quantize_int8(weight, self.int8_dtype)
+        elif quant == "int4":
+            qweight, scales = quantize_int4(weight, INT4_GROUP, dtype)
+        else:
+            qweight = scales = None
+        self.register_buffer("qweight", None if qweight is None else qweight.to(weight.device))
+        self.register_buffer("scales", None if scales is None else scales.to(weight.device))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.qweight is None or x.shape[0] > self.quant_max_rows:
+            return F.linear(x, self.weight)
+        if self.quant == "int4":
+            return torch._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP, self.scales)
+        if x.dtype == self.int8_dtype:
+            return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+        return torch.ops.aten._weight_int8pack_mm(x.to(self.int8_dtype), self.qweight, self.scales).to(x.dtype)
+
+    def dense_weight(self) -> Tensor:
+        """The weight as a dense tensor in the compute dtype."""
+        return self.weight
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, quant={self.quant}, "
+                f"quant_max_rows={self.quant_max_rows}")

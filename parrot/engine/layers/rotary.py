@@ -1,0 +1,106 @@
+"""Rotary position embedding (RoPE) with a precomputed table, in the *interleaved* (GGUF / Meta) layout.
+
+Layout: within a head, dims (2i, 2i+1) form the i-th rotating pair, as in the original LLaMA and in GGUF files
+(llama.cpp permutes HF's half-split Q/K rows into this order). The GGUF loader keeps that order and the
+safetensors loader permutes HF weights into it. Attention is invariant to a permutation of head dims applied to
+both q and k, so the KV cache simply stores keys in this layout. Rotating a pair is one complex multiply:
+
+    (x_2i + j x_2i+1) * (cos(p w_i) + j sin(p w_i)) * mscale
+
+Scaling variants (see parrot.engine.config): linear (p / factor), llama3 (frequency smoothing), yarn (ramped
+interpolation + attention factor ``mscale``), freq_factors (llama.cpp ``rope_freqs``: w_i / f_i).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from parrot.engine.config import ModelConfig, validate_rope_scaling
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[Tensor, float]:
+    """Inverse frequencies w_i (float64 [head_dim/2]) and the cos/sin multiplier for ``scaling``."""
+    validate_rope_scaling(scaling)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None:
+        return inv_freq, 1.0
+    kind = scaling["type"]
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"]), 1.0
+    if kind == "freq_factors":
+        factors = torch.tensor(scaling["factors"], dtype=torch.float64)
+        if factors.numel() != inv_freq.numel():
+            raise ValueError(f"rope freq_factors has {factors.numel()} entries, expected {inv_freq.numel()}")
+        return inv_freq / factors, 1.0
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling), 1.0
+    if kind == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
+    raise ValueError(f"unsupported rope scaling type {kind!r}")
+
+
+def _llama3_inv_freq(inv_freq: Tensor, s: dict) -> Tensor:
+    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_len = float(s["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    # long wavelengths are divided by factor, short ones kept, the band between interpolated smoothly
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(inv_freq: Tensor, dim: int, base: float, s: dict) -> tuple[Tensor, float]:
+    factor = float(s["factor"])
+    orig = float(s["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # 1: keep the original frequency, 0: interpolate (divide by factor)
+    inv = (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
+    return inv, float(attention_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds ``freqs_cis`` (complex64 [max_positions, head_dim/2]); rotate q and k together in one call."""
+
+    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        inv_freq, mscale = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        pos = torch.arange(config.max_position_embeddings, dtype=torch.float64)
+        angles = torch.outer(pos, inv_freq)  # float64 so large positions keep their phase accurately
+        freqs = torch.polar(torch.full_like(angles, mscale), angles).to(torch.complex64)
+        self.register_buffer("freqs_cis", freqs.to(device), persistent=False)
+
+    def table(self, positions: Tensor) -> Tensor:
+        """Per-token rotations for ``positions`` [T] -> complex [T, 1, head_dim/2] (broadcast over heads).
+        Positions must be < max_position_embeddings (the engine enforces the context length)."""
+        return self.freqs_cis.index_select(0, positions).unsqueeze(1)
+
+    @staticmethod
+    def apply(x: Tensor, rot: Tensor) -> Tensor:
+        """Rotate ``x`` [T, heads, head_dim] (last dim contiguous, any row stride) -> new contiguous tensor in
+        x's dtype. Complex math runs in float32 (bf16 inputs are upcast once)."""
+        t, h, d = x.shape
+        xc = torch.view_as_complex(x.float().view(t, h, d // 2, 2))
+        return torch.view_as_real(xc * rot).view(t, h, d).to(x.dtype)

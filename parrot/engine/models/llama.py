@@ -1,0 +1,267 @@
+"""LLaMA decoder (RMSNorm, RoPE, GQA, SwiGLU, tied or separate head) over a flat batch of tokens.
+
+Tokens of many sequences are concatenated into one flat batch ``[T]``; attention is the only per-sequence step
+and is delegated to an :class:`AttentionBackend` (the engine's paged-KV attention). Per layer:
+
+    h [T, H] ──rms──► qkv_proj ──► [ q | k | v ]  (one fused matmul; q,k rows in interleaved RoPE order)
+                                    rope(q,k)    ─► attn(layer, q, k, v) ─► o_proj ─► h += ·
+    h ──rms──► gate_up_proj ──► [ gate | up ] ─► silu(gate) * up ─► down_proj ─► h += ·
+
+Weights arrive as float32 under canonical (HF) names from parrot.engine.loader and are fused and cast here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from parrot.engine.config import ModelConfig, read_model_config
+from parrot.engine.layers.int4 import int4_kernel_available
+from parrot.engine.layers.linear import WEIGHT_QUANTS, FastLinear, int8_compute_dtype, int8_kernel_available
+from parrot.engine.layers.rotary import RotaryEmbedding
+from parrot.engine.loader import iter_weights, to_hf_layout
+from parrot.engine.model_files import resolve_model_path
+
+logger = logging.getLogger(__name__)
+
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class AttentionBackend(Protocol):
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q [T, num_heads, head_dim], k/v [T, num_kv_heads, head_dim] (RoPE applied to q and k; last dim
+        contiguous, rows may be strided views of one buffer) -> [T, num_heads * head_dim] in the compute dtype.
+        Writes k/v into the KV cache and attends over each sequence's whole context."""
+        ...
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, *, input_norm: Tensor, qkv_proj: FastLinear,
+                 o_proj: FastLinear, post_norm: Tensor, gate_up_proj: FastLinear, down_proj: FastLinear) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.qk_heads = config.num_heads + config.num_kv_heads
+        self.qk_size = self.qk_heads * config.head_dim
+        self.inter = config.intermediate_size
+        self.norm_shape = (config.hidden_size,)
+        self.eps = config.rms_norm_eps
+        self.register_buffer("input_norm", input_norm)
+        self.register_buffer("post_norm", post_norm)
+        self.qkv_proj, self.o_proj = qkv_proj, o_proj
+        self.gate_up_proj, self.down_proj = gate_up_proj, down_proj
+
+    def forward(self, h: Tensor, rot: Tensor, attn: AttentionBackend) -> Tensor:
+        """Updates the residual stream ``h`` [T, H] in place and returns it."""
+        t = h.shape[0]
+        qkv = self.qkv_proj(F.rms_norm(h, self.norm_shape, self.input_norm, self.eps))
+        # q and k are adjacent in qkv, so one RoPE call rotates both; v stays a view of qkv
+        qk = RotaryEmbedding.apply(qkv[:, : self.qk_size].view(t, self.qk_heads, self.head_dim), rot)
+        v = qkv[:, self.qk_size:].view(t, self.num_kv_heads, self.head_dim)
+        h.add_(self.o_proj(attn(self.layer_idx, qk[:, : self.num_heads], qk[:, self.num_heads:], v)))
+        gate_up = self.gate_up_proj(F.rms_norm(h, self.norm_shape, self.post_norm, self.eps))
+        h.add_(self.down_proj(F.silu(gate_up[:, : self.inter]).mul_(gate_up[:, self.inter:])))
+        return h
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, *, embed_tokens: Tensor, layers: list[LlamaDecoderLayer],
+                 norm: Tensor, lm_head: FastLinear) -> None:
+        super().__init__()
+        self.config = config
+        self.register_buffer("embed_tokens", embed_tokens)
+        self.layers = nn.ModuleList(layers)
+        self.register_buffer("norm", norm)
+        self.lm_head = lm_head
+        self.rotary = RotaryEmbedding(config, device=embed_tokens.device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
+
+    @torch.inference_mode()
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
+        """input_ids / positions: flat [T] -> final-normed hidden states [T, H] in the compute dtype."""
+        h = F.embedding(input_ids, self.embed_tokens)  # a fresh tensor: the layers add into it in place
+        rot = self.rotary.table(positions)  # once per forward, shared by all layers
+        for layer in self.layers:
+            h = layer(h, rot, attn)
+        return F.rms_norm(h, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """[N, H] -> float32 logits [N, vocab]."""
+        return self.lm_head(hidden).float()
+
+    def export_hf_state_dict(self) -> dict[str, Tensor]:
+        """Float32 weights under HF names in HF's layout (Q/K rows half-split), e.g. to save as safetensors."""
+        cfg = self.config
+        out = {"model.embed_tokens.weight": self.embed_tokens.float(), "model.norm.weight": self.norm.float()}
+        if not cfg.tie_word_embeddings:
+            out["lm_head.weight"] = self.lm_head.dense_weight().float()
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            q, k, v = layer.qkv_proj.dense_weight().float().split([cfg.q_size, cfg.kv_size, cfg.kv_size])
+            gate, up = layer.gate_up_proj.dense_weight().float().split(cfg.intermediate_size)
+            out |= {
+                p + "input_layernorm.weight": layer.input_norm.float(),
+                p + "post_attention_layernorm.weight": layer.post_norm.float(),
+                p + "self_attn.q_proj.weight": to_hf_layout(q, cfg.num_heads),
+                p + "self_attn.k_proj.weight": to_hf_layout(k, cfg.num_kv_heads),
+                p + "self_attn.v_proj.weight": v,
+                p + "self_attn.o_proj.weight": layer.o_proj.dense_weight().float(),
+                p + "mlp.gate_proj.weight": gate,
+                p + "mlp.up_proj.weight": up,
+                p + "mlp.down_proj.weight": layer.down_proj.dense_weight().float(),
+            }
+        return {name: t.contiguous().cpu() for name, t in out.items()}
+
+
+# ---- assembly from canonical weights ---------------------------------------------------------------------------
+# canonical per-layer name -> (fused part, index within the part); fused parts are concatenated along rows
+_LAYER_PARTS = {
+    "self_attn.q_proj.weight": ("qkv_proj", 0),
+    "self_attn.k_proj.weight": ("qkv_proj", 1),
+    "self_attn.v_proj.weight": ("qkv_proj", 2),
+    "self_attn.o_proj.weight": ("o_proj", 0),
+    "mlp.gate_proj.weight": ("gate_up_proj", 0),
+    "mlp.up_proj.weight": ("gate_up_proj", 1),
+    "mlp.down_proj.weight": ("down_proj", 0),
+    "input_layernorm.weight": ("input_norm", 0),
+    "post_attention_layernorm.weight": ("post_norm", 0),
+}
+_PART_SIZES = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1, "input_norm": 1, "post_norm": 1}
+_NORMS = ("input_norm", "post_norm")
+
+
+def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return {
+        "self_attn.q_proj.weight": (cfg.q_size, h), "self_attn.k_proj.weight": (cfg.kv_size, h),
+        "self_attn.v_proj.weight": (cfg.kv_size, h), "self_attn.o_proj.weight": (h, cfg.q_size),
+        "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i),
+        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "model.embed_tokens.weight": (cfg.vocab_size, h), "lm_head.weight": (cfg.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+
+
+def assemble_model(config: ModelConfig, weights: Iterable[tuple[str, Tensor]], *, dtype: torch.dtype,
+                   device: str | torch.device = "cpu", weight_quant: str = "none") -> LlamaForCausalLM:
+    """Build the model from ``(canonical name, float tensor)`` pairs in any order. A layer's fused matmul is
+    built as soon as its parts have all arrived, so only a few float32 tensors are alive at a time."""
+    if weight_quant not in WEIGHT_QUANTS:
+        raise ValueError(f"weight_quant must be one of {WEIGHT_QUANTS}, got {weight_quant!r}")
+    if dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"dtype must be one of {COMPUTE_DTYPES}, got {dtype}")
+    shapes = _expected_shapes(config)
+    pending: dict[tuple[int, str], dict[int, Tensor]] = {}
+    parts: list[dict[str, Tensor | FastLinear]] = [{} for _ in range(config.num_layers)]
+    globals_: dict[str, Tensor] = {}
+
+    def linear(w: Tensor) -> FastLinear:
+        return FastLinear(w.to(device), dtype=dtype, quant=weight_quant)
+
+    for name, tensor in weights:
+        if name.startswith("model.layers."):
+            idx_str, _, local = name[len("model.layers."):].partition(".")
+            layer = int(idx_str)
+            if local not in _LAYER_PARTS or not 0 <= layer < config.num_layers:
+                raise ValueError(f"unexpected weight {name!r} for a {config.num_layers}-layer LLaMA")
+        elif name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            layer, local = -1, name
+        else:
+            raise ValueError(f"unexpected weight {name!r}")
+        if tuple(tensor.shape) != shapes[local]:
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {shapes[local]}")
+        if layer < 0:
+            globals_[name] = tensor
+            continue
+        part, slot = _LAYER_PARTS[local]
+        group = pending.setdefault((layer, part), {})
+        group[slot] = tensor
+        if len(group) == _PART_SIZES[part]:
+            del pending[(layer, part)]
+            fused = torch.cat([group[s] for s in range(len(group))]) if len(group) > 1 else group[0]
+            parts[layer][part] = fused.to(device=device, dtype=dtype) if part in _NORMS else linear(fused)
+
+    missing = [f"layer {i}: {sorted(set(_PART_SIZES) - set(p))}" for i, p in enumerate(parts) if len(p) < 6]
+    for required in ("model.embed_tokens.weight", "model.norm.weight"):
+        if required not in globals_:
+            missing.append(required)
+    if not config.tie_word_embeddings and "lm_head.weight" not in globals_:
+        missing.append("lm_head.weight")
+    if missing:
+        raise ValueError(f"model weights incomplete, missing: {missing}")
+
+    embed_f32 = globals_["model.embed_tokens.weight"]
+    embed = embed_f32.to(device=device, dtype=dtype)
+    head_f32 = embed_f32 if config.tie_word_embeddings else globals_["lm_head.weight"]
+    # a tied dense head shares the embedding's storage (FastLinear casts only when needed)
+    # int4 stays off the head: GGUFs store it (token_embd) as Q8_0 or better, so 4-bit codes would lose
+    # precision there (and flip borderline greedy tokens); int4 is exact only for the Q4_1 layer weights.
+    lm_head = FastLinear(embed if config.tie_word_embeddings else head_f32.to(device), dtype=dtype,
+                         quant="none") if weight_quant in ("none", "int4") else linear(head_f32)
+    layers = [LlamaDecoderLayer(config, i, **p) for i, p in enumerate(parts)]
+    return LlamaForCausalLM(config, embed_tokens=embed, layers=layers,
+                            norm=globals_["model.norm.weight"].to(device=device, dtype=dtype), lm_head=lm_head)
+
+
+def load_model(path: str, *, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
+               weight_quant: str = "none") -> LlamaForCausalLM:
+    """Load a GGUF file or an HF safetensors dir. ``weight_quant``: "none" or "int8" (CPU int8 weight-only kernel
+    for small row counts). Raises ValueError for a bad option or unsupported model, ModelNotFound for a
+    missing path."""
+    if weight_quant not in WEIGHT_QUANTS:
+        raise ValueError(f"weight_quant must be one of {WEIGHT_QUANTS}, got {weight_quant!r}")
+    if dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"dtype must be one of {COMPUTE_DTYPES}, got {dtype}")
+    if weight_quant == "int8" and not int8_kernel_available(device, int8_compute_dtype(dtype)):
+        raise ValueError(f"weight_quant='int8' needs torch.ops.aten._weight_int8pack_mm for {dtype} on {device!r}")
+    if weight_quant == "int4" and not int4_kernel_available(device, dtype):
+        raise ValueError(f"weight_quant='int4' needs torch._weight_int4pack_mm_for_cpu with bfloat16 on the CPU, "
+                         f"not {dtype} on {device!r}")
+    path = resolve_model_path(path)
+    start = time.perf_counter()
+    config = read_model_config(path)
+    model = assemble_model(config, iter_weights(path, config), dtype=dtype, device=device, weight_quant=weight_quant)
+    logger.info("loaded %s (%d layers, %s, quant=%s) from %s in %.1f s", config.name, config.num_layers, dtype,
+                weight_quant, path, time.perf_counter() - start)
+    return model
+
+
+def random_weights(config: ModelConfig, *, seed: int = 0) -> dict[str, Tensor]:
+    """Random float32 weights under canonical names (std 0.02 like HF's init; norms near 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = _expected_shapes(config)
+    out: dict[str, Tensor] = {}
+
+    def draw(shape: tuple[int, ...], norm: bool) -> Tensor:
+        noise = torch.randn(shape, generator=gen)
+        return 1.0 + 0.1 * noise if norm else 0.02 * noise
+
+    for name in ("model.embed_tokens.weight", "model.norm.weight"):
+        out[name] = draw(shapes[name], name.endswith("norm.weight"))
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = draw(shapes["lm_head.weight"], False)
+    for i in range(config.num_layers):
+        for local in _LAYER_PARTS:
+            out[f"model.layers.{i}.{local}"] = draw(shapes[local], local.endswith("layernorm.weight"))
+    return out
+
+
+def build_random_model(config: ModelConfig, *, dtype: torch.dtype, device: str = "cpu", seed: int = 0,
+                       weight_quant: str = "none") -> LlamaForCausalLM:
+    """A model with random weights (tests, benchmarks); deterministic for a given seed."""
+    return assemble_model(config, random_weights(config, seed=seed).items(), dtype=dtype, device=device,
+                          weight_quant=weight_quant)
