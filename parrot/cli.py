@@ -11,6 +11,7 @@ import logging
 import os
 import runpy
 import sys
+import types
 import typing
 
 from pydantic import ValidationError
@@ -26,15 +27,19 @@ def _add_settings_flags(parser: argparse.ArgumentParser, cls: type[BaseSettings]
         if flag in parser._option_string_actions:  # shared field (e.g. host): one flag feeds both objects
             continue
         ann = field.annotation
+        hidden = isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("hidden")
+        help_text = argparse.SUPPRESS if hidden else field.description
+        if typing.get_origin(ann) in (typing.Union, types.UnionType):  # X | None: the flag takes an X
+            ann = next((a for a in typing.get_args(ann) if a is not type(None)), ann)
         args = typing.get_args(ann)
         if ann is bool:
             group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
-                               help=field.description)
+                               help=help_text)
             continue
         choices = None
         if typing.get_origin(ann) is typing.Literal:
             choices = list(args)
-        group.add_argument(flag, dest=name, default=None, choices=choices, help=field.description, metavar=name.upper()
+        group.add_argument(flag, dest=name, default=None, choices=choices, help=help_text, metavar=name.upper()
                            if choices is None else None)
 
 
@@ -44,6 +49,8 @@ def _settings_from(cls: type[BaseSettings], ns: argparse.Namespace, skip: set[st
         return cls(**given)
     except ValidationError as e:
         first = e.errors()[0]
+        if not first["loc"]:  # a check across fields: its message names them
+            raise SystemExit(f"parrot: invalid settings: {first['msg']}")
         raise SystemExit(f"parrot: invalid --{'-'.join(str(x) for x in first['loc']).replace('_', '-')}: {first['msg']}")
 
 
@@ -61,20 +68,56 @@ def _cmd_engine(ns: argparse.Namespace) -> None:
     uvicorn.run(app, host=server.host, port=server.port, log_level="warning")
 
 
+def _engine_flags(ns: argparse.Namespace, skip: set[str]) -> list[str]:
+    """The EngineSettings flags given on this command line, re-serialized for `parrot engine` children."""
+    from parrot.engine.settings import EngineSettings
+
+    out: list[str] = []
+    for name in EngineSettings.model_fields:
+        value = getattr(ns, name, None)
+        if name in skip or value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        else:
+            out += [flag, str(value)]
+    return out
+
+
 def _cmd_serve(ns: argparse.Namespace) -> None:
     import uvicorn
 
     from parrot.api.app import create_app
     from parrot.api.settings import ServerSettings
-    from parrot.engine.builder import build_local_engine_client
     from parrot.engine.settings import EngineSettings
 
     server = _settings_from(ServerSettings, ns)
     engine = _settings_from(EngineSettings, ns, skip={"name", "port", "host"})
-    client = build_local_engine_client(engine)
-    app = create_app(server, [client])
-    print(f"parrot: serving {client.name} on http://{server.host}:{server.port} (OpenAPI at /docs)", flush=True)
-    uvicorn.run(app, host=server.host, port=server.port, log_level="warning")
+    if server.engines == 0:
+        from parrot.engine.builder import build_local_engine_client
+
+        client = build_local_engine_client(engine)
+        app = create_app(server, [client])
+        print(f"parrot: serving {client.name} on http://{server.host}:{server.port} (policy {server.policy}; "
+              "OpenAPI at /docs)", flush=True)
+        uvicorn.run(app, host=server.host, port=server.port, log_level="warning")
+        return
+
+    from parrot.engine.procs import free_port, start_engines, stop_all
+
+    # engines register through /api/v1/engines/register, which accepts loopback URLs only
+    port = server.port or free_port(server.host)
+    manager_url = f"http://127.0.0.1:{port}"
+    procs = start_engines(server.engines, manager_url, engine_args=_engine_flags(ns, {"name", "port", "host"}))
+    try:
+        app = create_app(server, [])
+        print(f"parrot: serving on http://{server.host}:{port} with {server.engines} engine process(es) "
+              f"{', '.join(f'{p.name}={p.url} (pid {p.pid})' for p in procs)}; policy {server.policy}",
+              flush=True)
+        uvicorn.run(app, host=server.host, port=port, log_level="warning")
+    finally:
+        stop_all(procs)
 
 
 def _cmd_run(ns: argparse.Namespace) -> None:
@@ -93,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-level", default=os.environ.get("PARROT_LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="cmd", required=True)
 
-    p = sub.add_parser("serve", help="manager + API + a builtin engine on the default model")
+    p = sub.add_parser("serve", help="manager + API + builtin engine(s) on the default model (--engines N for N "
+                       "engine processes)")
     _add_settings_flags(p, ServerSettings)
     _add_settings_flags(p, EngineSettings, skip={"name"})
     p.set_defaults(fn=_cmd_serve, name=None)
@@ -111,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
 
     ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per engine call/heartbeat otherwise
     ns.fn(ns)
 
 

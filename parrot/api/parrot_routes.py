@@ -6,6 +6,7 @@ mapped once by :mod:`parrot.api.errors`.
 
 from __future__ import annotations
 
+import time
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Request
@@ -22,6 +23,7 @@ from parrot.api.schemas import (
     VariableResponse,
 )
 from parrot.manager.manager import Manager
+from parrot.manager.perf_deduction import PerfTargets
 from parrot.manager.session import Session
 from parrot.manager.submit import PlaceholderSpec, SubmitSpec
 
@@ -74,8 +76,16 @@ async def get_variable(
     vid: str, manager: ManagerDep, session: SessionDep,
     criteria: Annotated[str | None, Query(description="latency | throughput (recorded: GetPerfObj)")] = None,
     timeout: Annotated[float, Query(ge=0, description="long-poll seconds (capped at 60)")] = 0.0,
+    ttft_ms: Annotated[float | None, Query(gt=0, description="latency target: time to first token")] = None,
+    tpot_ms: Annotated[float | None, Query(gt=0, description="latency target: time per output token")] = None,
+    deadline_s: Annotated[float | None, Query(gt=0, description="latency target: value wanted within this")] = None,
 ) -> VariableResponse:
-    view = await manager.get_variable(session, vid, criteria=criteria, timeout_s=timeout)
+    targets = None
+    if ttft_ms is not None or tpot_ms is not None or deadline_s is not None:
+        targets = PerfTargets(ttft_s=ttft_ms / 1000 if ttft_ms is not None else None,
+                              tpot_s=tpot_ms / 1000 if tpot_ms is not None else None,
+                              deadline=time.time() + deadline_s if deadline_s is not None else None)
+    view = await manager.get_variable(session, vid, criteria=criteria, timeout_s=timeout, targets=targets)
     return VariableResponse(var_id=view.var_id, name=view.name, status=view.status.value, value=view.value)
 
 

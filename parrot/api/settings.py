@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Literal
+
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from parrot.manager.manager import ManagerConfig
@@ -30,6 +32,22 @@ class ServerSettings(BaseSettings):
     prefix_min_tokens: int = Field(16, ge=1, description="shortest prefix worth a shared prefix context")
     prefix_grace_s: float = Field(30.0, ge=0, description="idle time before an unused prefix context is freed")
     max_prefix_contexts_per_engine: int = Field(16, ge=1, description="LRU bound on prefix contexts per engine")
+    policy: Literal["parrot", "fifo-latency", "fifo-throughput", "least-loaded"] = Field(
+        "least-loaded", description="global scheduler: parrot (app-centric, paper Alg. 1), fifo-latency / "
+        "fifo-throughput (request-centric baselines), least-loaded (no caps, no queueing: the default)")
+    latency_cap_tokens: int = Field(2048, ge=1, description="running tokens per engine while latency work runs there")
+    throughput_cap_tokens: int = Field(65536, ge=1, description="running tokens per engine for throughput work")
+    heartbeat_timeout_s: float = Field(10.0, gt=0, description="an engine silent this long is declared dead")
+    max_attempts: int = Field(3, ge=1, description="runs of a request in all when its engine dies under it")
+    engines: int = Field(0, ge=0, le=64, description="parrot serve: start this many `parrot engine` processes that "
+                         "register here (0 = one engine inside the server process)")
+
+    @model_validator(mode="after")
+    def _check_caps(self) -> "ServerSettings":
+        if self.latency_cap_tokens > self.throughput_cap_tokens:
+            raise ValueError(f"latency_cap_tokens ({self.latency_cap_tokens}) must not exceed throughput_cap_tokens "
+                             f"({self.throughput_cap_tokens})")
+        return self
 
     def manager_config(self) -> ManagerConfig:
         return ManagerConfig(session_ttl_s=self.session_ttl_s, max_session_ttl_s=self.max_session_ttl_s,
@@ -38,4 +56,7 @@ class ServerSettings(BaseSettings):
                              heartbeat_interval_s=self.engine_heartbeat_s, max_long_poll_s=self.max_long_poll_s,
                              prefix_sharing=self.prefix_sharing, prefix_min_tokens=self.prefix_min_tokens,
                              prefix_grace_s=self.prefix_grace_s,
-                             max_prefix_contexts_per_engine=self.max_prefix_contexts_per_engine)
+                             max_prefix_contexts_per_engine=self.max_prefix_contexts_per_engine,
+                             policy=self.policy, latency_cap_tokens=self.latency_cap_tokens,
+                             throughput_cap_tokens=self.throughput_cap_tokens,
+                             heartbeat_timeout_s=self.heartbeat_timeout_s, max_attempts=self.max_attempts)

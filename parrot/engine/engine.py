@@ -122,6 +122,21 @@ class LLMEngine:
         self._submit(cmd, fut)
         return fut
 
+    def set_token_cap(self, max_running_tokens: int | None) -> Future:
+        """The global scheduler's cap on running tokens (see Scheduler.token_cap); applied between steps."""
+        if max_running_tokens is not None and (not isinstance(max_running_tokens, int) or max_running_tokens < 1):
+            raise InvalidRequestError(f"max_running_tokens must be a positive integer or null, got "
+                                      f"{max_running_tokens!r}", param="max_running_tokens")
+        fut: Future = Future()
+
+        def cmd() -> None:
+            self.scheduler.token_cap = max_running_tokens
+            self._status = self._snapshot()
+            fut.set_result(None)
+
+        self._submit(cmd, fut)
+        return fut
+
     def status(self) -> EngineStatus:
         return self._status
 
@@ -363,5 +378,6 @@ class LLMEngine:
             num_contexts=len(self.contexts), num_preempted_total=sch.num_preemptions,
             extra={"steps": self.num_steps, "tokens_computed": self.num_tokens_computed,
                    "prefix_cache_hit_blocks": self.pool.num_hit_blocks,
-                   "shared_prefix_decode_rows": self.runner.num_shared_prefix_rows, "kv_blocks_evicted": self.pool.num_evicted},
+                   "shared_prefix_decode_rows": self.runner.num_shared_prefix_rows, "kv_blocks_evicted": self.pool.num_evicted,
+                   "token_cap": sch.token_cap},
         )

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 
-from parrot.common.errors import EngineError, EngineUnavailable, error_from_body
+from parrot.common.errors import EngineError, EngineUnavailable, NotFoundError, error_from_body
 from parrot.common.sampling import SamplingParams
 from parrot.engine import wire
 from parrot.engine.interface import EngineClient, EngineStatus, FillResult, GenerateChunk, GenerateResult, ModelInfo
@@ -83,6 +83,13 @@ class HTTPEngineClient(EngineClient):
 
     async def status(self) -> EngineStatus:
         return wire.engine_status(await self._get("/engine/v1/status"))
+
+    async def set_token_cap(self, max_running_tokens: int | None) -> bool:
+        try:
+            await self._post("/engine/v1/token_cap", {"max_running_tokens": max_running_tokens})
+        except NotFoundError:
+            return False  # an engine server without the endpoint
+        return True
 
     async def tokenize(self, text: str) -> list[int]:
         return (await self._post("/engine/v1/tokenize", {"text": text}))["token_ids"]

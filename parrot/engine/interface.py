@@ -117,6 +117,13 @@ class EngineClient(abc.ABC):
         """Release client resources (HTTP connections). Engines with none need not override."""
         return None
 
+    async def set_token_cap(self, max_running_tokens: int | None) -> bool:
+        """Placement hint from the global scheduler (paper §5.4): admit no new op while the running ops'
+        contexts hold ``max_running_tokens`` tokens or more (None = no cap beyond the engine's own budgets; an
+        op is always admitted when nothing runs). Returns True if the engine applies caps; this default
+        answers False ("not supported"), and the manager then stops sending them."""
+        return False
+
 
 @dataclass(frozen=True)
 class ModelInfo:

@@ -1,7 +1,7 @@
 """`parrot engine`: the builtin engine as its own FastAPI process (Fill / Generate / FreeContext over HTTP).
 
 Endpoints (prefix /engine/v1): fill, generate (JSON or SSE with ``stream``), free_context, status, tokenize,
-detokenize, model_info; plus /health. Errors are OpenAI-style bodies with the typed error's status and code.
+detokenize, model_info, token_cap (the manager's placement hint); plus /health. Errors are OpenAI-style bodies with the typed error's status and code.
 With a manager URL the engine registers itself and sends heartbeats carrying its status; standalone it serves.
 """
 
@@ -28,6 +28,7 @@ from parrot.engine.wire import (
     FillRequest,
     FreeRequest,
     GenerateRequest,
+    TokenCapRequest,
     TokenizeRequest,
     to_json,
 )
@@ -102,6 +103,11 @@ def create_engine_app(client: EngineClient, settings: EngineServerSettings | Non
     async def free_context(req: FreeRequest) -> dict:
         await client.free_context(req.context_id)
         return {"freed": req.context_id}
+
+    @app.post("/engine/v1/token_cap")
+    async def token_cap(req: TokenCapRequest) -> dict:
+        applied = await client.set_token_cap(req.max_running_tokens)
+        return {"max_running_tokens": req.max_running_tokens, "applied": applied}
 
     @app.get("/engine/v1/status")
     async def status() -> dict:

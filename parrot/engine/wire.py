@@ -32,6 +32,13 @@ class FreeRequest(BaseModel):
     context_id: str = _ID
 
 
+class TokenCapRequest(BaseModel):
+    """The global scheduler's placement hint (EngineClient.set_token_cap)."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_running_tokens: int | None = Field(None, ge=1)
+
+
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     text: str = Field(max_length=4_000_000)

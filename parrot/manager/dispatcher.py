@@ -1,114 +1,106 @@
-"""Engine choice: a pluggable :class:`Policy` fed by engine load, and the :class:`Dispatcher` that hands out
-leases on engines to DAG requests and OpenAI completions alike.
+"""The global scheduler's mechanics: a queue of requests waiting for an engine, leases on engines, and the
+scheduling rounds that ask the :class:`~parrot.manager.policies.base.Policy` where queued requests go.
 
-The dispatcher counts what it has in flight per engine (requests and prompt+output tokens) and combines it
-with the last :class:`EngineStatus` from heartbeats; a policy only *chooses* among candidates, it never
-mutates state. Engines batch whatever they receive, so the dispatcher does not cap concurrency; a policy that
-queues (FIFO with a latency capacity cap, Algorithm 1) will make :meth:`Dispatcher.acquire` wait.
+``acquire(request)`` enqueues a ticket and runs a round; it returns a :class:`Lease` once the policy placed
+the request (a policy with caps may keep it queued: FIFO for the baselines, Algorithm 1 order for ``parrot``).
+Rounds run synchronously on the event loop (no await inside, so a round sees one consistent state) whenever
+something changes: an arrival, a release, new labels from perf deduction (:meth:`Dispatcher.kick`), an engine
+dying or coming back. A request whose models no live engine serves fails at once (EngineUnavailable /
+UnknownModel): nothing ever waits for an engine that is not there.
 
-Prefix affinity (Algorithm 1, CtxInEngine): each candidate carries ``prefix_tokens``, the longest of the
-request's prefix hashes that engine already holds (a prefix context or a running request context), from the
-``prefix_lookup`` the manager wires to its PrefixStore; a policy keeps sharers where their prefix lives.
+Failover: when the registry declares an engine dead, every lease on it is *lost* (``lease.lost``; the holder
+reschedules its request, see the executor) and its load share disappears from the accounting.
+
+Capacity hint to engines: after each round the dispatcher pushes to every engine the cap of the strictest
+request placed on it (``EngineClient.set_token_cap``; None when nothing of ours runs there), so the engine's
+local batch follows the placement. One push task per engine sends the latest wanted value (no reordering);
+engines that do not support caps are not asked again.
+
+Prefix affinity (Algorithm 1, CtxInEngine): ``prefix_lookup`` (wired to the PrefixStore) tells the policy how
+many tokens of a request's prefix each engine already holds.
 """
 
 from __future__ import annotations
 
-import abc
+import asyncio
+import itertools
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from parrot.common.errors import EngineUnavailable
-from parrot.engine.interface import EngineClient, EngineStatus, ModelInfo
-from parrot.manager.engine_registry import EngineEntry, EngineRegistry
-from parrot.manager.perf import PerfCriteria
+from parrot.common.errors import EngineError, ParrotError
+from parrot.engine.interface import EngineClient, ModelInfo
+from parrot.manager.engine_registry import EngineEntry, EngineRegistry, EngineState
+from parrot.manager.perf_deduction import SchedInfo
+from parrot.manager.policies.base import (
+    ClusterView,
+    DispatchRequest,
+    EngineLoad,
+    EngineView,
+    PlacedRequest,
+    Policy,
+    QueuedRequest,
+)
+from parrot.manager.policies.baseline import LeastLoadedPolicy
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["DispatchRequest", "Dispatcher", "EngineLoad", "LeastLoadedPolicy", "Lease", "Policy"]
 
-@dataclass(frozen=True)
-class DispatchRequest:
-    """What the policy knows about the work to place."""
+CAP_PUSH_TIMEOUT_S = 5.0
 
-    request_id: str
-    session_id: str | None = None  # None for OpenAI completions
-    models: tuple[str, ...] = ()  # acceptable models (empty = any)
-    prompt_tokens: int = 0  # estimate (0 if unknown before tokenization)
-    max_new_tokens: int = 0
-    perf: PerfCriteria | None = None
-    prefix_hashes: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """A candidate engine as a policy sees it."""
-
-    name: str
-    model: str
-    max_model_len: int
-    status: EngineStatus | None  # last heartbeat snapshot
-    inflight_requests: int  # leases handed out by this dispatcher and not yet released
-    inflight_tokens: int
-    prefix_tokens: int = 0  # tokens of the request's longest prefix this engine holds (0 = none / unknown)
-
-
-class Policy(abc.ABC):
-    """Chooses an engine for one request among healthy candidates (never empty)."""
-
-    name: str = "policy"
-
-    @abc.abstractmethod
-    def choose(self, request: DispatchRequest, candidates: Sequence[EngineLoad]) -> str:
-        """Return the ``name`` of one of ``candidates``."""
-
-
-class LeastLoadedPolicy(Policy):
-    """Fewest in-flight requests, then fewest tokens (in flight here + engine-reported), then name.
-
-    With ``prefix_affinity`` an engine holding the request's longest shared prefix wins instead, as long as it
-    has at most ``affinity_slack`` more requests in flight than the least loaded candidate (so one popular
-    system prompt cannot pile every request onto one engine).
-    """
-
-    name = "least_loaded"
-
-    def __init__(self, *, prefix_affinity: bool = True, affinity_slack: int = 4) -> None:
-        if affinity_slack < 0:
-            raise ValueError(f"affinity_slack must be >= 0, got {affinity_slack!r}")
-        self.prefix_affinity = prefix_affinity
-        self.affinity_slack = affinity_slack
-
-    def choose(self, request: DispatchRequest, candidates: Sequence[EngineLoad]) -> str:
-        def load(c: EngineLoad) -> tuple[int, int, str]:
-            reported = c.status.running_tokens + c.status.waiting_tokens if c.status is not None else 0
-            return c.inflight_requests, c.inflight_tokens + reported, c.name
-
-        best = min(candidates, key=load)
-        if self.prefix_affinity:
-            top = max(c.prefix_tokens for c in candidates)
-            if top > 0:
-                holder = min((c for c in candidates if c.prefix_tokens == top), key=load)
-                if holder.inflight_requests <= best.inflight_requests + self.affinity_slack:
-                    return holder.name
-        return best.name
+PrefixLookup = Callable[[str, Sequence[str]], int]  # (engine, prefix hashes) -> tokens of the longest held
+InfoLookup = Callable[[str, str], SchedInfo]  # (session id, request id) -> labels, depth, app order
 
 
 class Lease:
-    """An engine handed to one request; :meth:`release` (idempotent) returns its load share."""
+    """An engine handed to one request; :meth:`release` (idempotent) returns its load share. ``lost`` turns
+    true (once; lost callbacks run synchronously then) if the engine is declared dead while the lease is held."""
 
-    def __init__(self, dispatcher: "Dispatcher", entry: EngineEntry, tokens: int) -> None:
+    def __init__(self, dispatcher: "Dispatcher", entry: EngineEntry, request: DispatchRequest,
+                 enqueued_at: float) -> None:
         self._dispatcher = dispatcher
-        self._tokens = tokens
         self._released = False
+        self._lost = False
+        self._lost_callbacks: list[Callable[[], None]] = []
+        self.request = request
+        self.tokens = request.tokens
+        self.enqueued_at = enqueued_at
         self.engine = entry.name
         self.client: EngineClient = entry.client
         assert entry.info is not None  # candidates always have model info
         self.info: ModelInfo = entry.info
 
+    @property
+    def lost(self) -> bool:
+        return self._lost
+
+    def add_lost_callback(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` when the lease is lost (right now if it already is)."""
+        if self._lost:
+            fn()
+        else:
+            self._lost_callbacks.append(fn)
+
+    def remove_lost_callback(self, fn: Callable[[], None]) -> None:
+        if fn in self._lost_callbacks:
+            self._lost_callbacks.remove(fn)
+
+    def _lose(self) -> None:
+        if self._lost:
+            return
+        self._lost = True
+        for fn in list(self._lost_callbacks):
+            try:
+                fn()
+            except Exception:  # one holder's bug must not keep the others from hearing about it
+                logger.exception("lease lost callback failed")
+
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self._dispatcher._release(self.engine, self._tokens)
+            self._dispatcher._release(self)
 
     def __enter__(self) -> "Lease":
         return self
@@ -117,44 +109,215 @@ class Lease:
         self.release()
 
 
-PrefixLookup = Callable[[str, Sequence[str]], int]  # (engine, prefix hashes) -> tokens of the longest held
+@dataclass(eq=False)
+class _Ticket:
+    id: int
+    request: DispatchRequest
+    enqueued_at: float
+    future: asyncio.Future
 
 
 class Dispatcher:
     def __init__(self, registry: EngineRegistry, policy: Policy | None = None, *,
-                 prefix_lookup: PrefixLookup | None = None) -> None:
+                 prefix_lookup: PrefixLookup | None = None, info_lookup: InfoLookup | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.registry = registry
         self.policy = policy or LeastLoadedPolicy()
         self.prefix_lookup = prefix_lookup
-        self._requests: dict[str, int] = {}
-        self._tokens: dict[str, int] = {}
+        self.info_lookup = info_lookup
+        self._clock = clock
+        self._ids = itertools.count(1)
+        self._queue: list[_Ticket] = []
+        self._leases: dict[str, list[Lease]] = {}  # engine name -> leases held there
+        self._caps_wanted: dict[str, int | None] = {}
+        self._caps_sent: dict[str, int | None] = {}
+        self._cap_tasks: dict[str, asyncio.Task] = {}
+        self._no_caps: set[str] = set()  # engines that answered "caps unsupported"
+        registry.add_listener(self._on_engine_state)
 
-    def load(self, entry: EngineEntry, request: DispatchRequest | None = None) -> EngineLoad:
-        assert entry.info is not None
-        prefix = 0
-        if request is not None and request.prefix_hashes and self.prefix_lookup is not None:
-            prefix = self.prefix_lookup(entry.name, request.prefix_hashes)
-        return EngineLoad(name=entry.name, model=entry.info.name, max_model_len=entry.info.max_model_len,
-                          status=entry.status, inflight_requests=self._requests.get(entry.name, 0),
-                          inflight_tokens=self._tokens.get(entry.name, 0), prefix_tokens=prefix)
+    # ---- the request side -----------------------------------------------------------------------------------
+    async def acquire(self, request: DispatchRequest, *, enqueued_at: float | None = None) -> Lease:
+        """Wait until the policy places ``request``; the lease counts it on its engine until released.
 
-    async def acquire(self, request: DispatchRequest) -> Lease:
-        """Choose an engine for ``request`` and count it as in flight there until the lease is released.
-
-        Raises UnknownModel (no engine serves the requested models) or EngineUnavailable (none healthy).
+        ``enqueued_at`` keeps a rescheduled request's place in the queue. Raises UnknownModel (no engine
+        serves the requested models) or EngineUnavailable (none alive), now or while queued.
         """
-        entries = self.registry.candidates(request.models)
-        by_name = {e.name: e for e in entries}
-        choice = self.policy.choose(request, [self.load(e, request) for e in entries])
-        entry = by_name.get(choice)
-        if entry is None:
-            raise EngineUnavailable(f"policy {self.policy.name} chose {choice!r}, which is not a candidate")
-        tokens = request.prompt_tokens + request.max_new_tokens
-        self._requests[entry.name] = self._requests.get(entry.name, 0) + 1
-        self._tokens[entry.name] = self._tokens.get(entry.name, 0) + tokens
-        logger.debug("dispatch %s -> %s (policy %s)", request.request_id, entry.name, self.policy.name)
-        return Lease(self, entry, tokens)
+        self.registry.candidates(request.models)
+        ticket = _Ticket(next(self._ids), request, enqueued_at if enqueued_at is not None else self._clock(),
+                         asyncio.get_running_loop().create_future())
+        self._queue.append(ticket)
+        self._pump()
+        try:
+            return await ticket.future
+        except asyncio.CancelledError:
+            fut = ticket.future
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                fut.result().release()  # placed just as we were cancelled
+            raise
+        finally:
+            if ticket in self._queue:
+                self._queue.remove(ticket)
 
-    def _release(self, engine: str, tokens: int) -> None:
-        self._requests[engine] = max(0, self._requests.get(engine, 0) - 1)
-        self._tokens[engine] = max(0, self._tokens.get(engine, 0) - tokens)
+    def kick(self) -> None:
+        """Run a scheduling round now (labels changed)."""
+        self._pump()
+
+    def engine_failed(self, lease: Lease, error: ParrotError) -> None:
+        """A call on ``lease``'s engine found it unreachable: declare it dead (its other leases are lost too)."""
+        self.registry.mark_dead(lease.engine, f"call failed: {error.message}", client=lease.client)
+
+    def _release(self, lease: Lease) -> None:
+        leases = self._leases.get(lease.engine)
+        if leases is not None and lease in leases:
+            leases.remove(lease)
+        self._pump()
+
+    # ---- engines --------------------------------------------------------------------------------------------
+    def _on_engine_state(self, entry: EngineEntry) -> None:
+        if entry.state is EngineState.DEAD:
+            held = self._leases.get(entry.name, [])
+            lost = [lease for lease in held if lease.client is entry.client]
+            self._leases[entry.name] = [lease for lease in held if lease.client is not entry.client]
+            for lease in lost:
+                lease._lose()
+            if lost:
+                logger.warning("engine %s died holding %d request(s); they will be rescheduled", entry.name,
+                               len(lost))
+            self._caps_sent.pop(entry.name, None)
+            self._caps_wanted.pop(entry.name, None)
+            self._no_caps.discard(entry.name)
+        self._pump()
+
+    # ---- scheduling rounds ----------------------------------------------------------------------------------
+    def _pump(self) -> None:
+        self._queue = [t for t in self._queue if not t.future.done()]
+        if self._queue:
+            try:
+                self._round()
+            except Exception as e:  # a policy bug: fail the queue rather than leave requests waiting forever
+                logger.exception("scheduling round failed (policy %s)", self.policy.name)
+                for t in self._queue:
+                    if not t.future.done():
+                        t.future.set_exception(EngineError(f"scheduler error: {type(e).__name__}: {e}"))
+            self._queue = [t for t in self._queue if not t.future.done()]
+        self._update_caps()
+
+    def _round(self) -> None:
+        queued: list[QueuedRequest] = []
+        tickets: dict[int, _Ticket] = {}
+        for t in self._queue:
+            try:
+                names = tuple(e.name for e in self.registry.candidates(t.request.models))
+            except ParrotError as e:  # no live engine for it any more: fail now, never wait
+                t.future.set_exception(e)
+                continue
+            tickets[t.id] = t
+            queued.append(QueuedRequest(t.id, t.request, self._info(t.request, t.enqueued_at), t.enqueued_at, names))
+        if not queued:
+            return
+        cluster = self._cluster(queued)
+        by_ticket = {q.ticket: q for q in queued}
+        for p in self.policy.place(queued, cluster):
+            q, t = by_ticket.get(p.ticket), tickets.get(p.ticket)
+            if q is None or t is None or t.future.done():
+                continue
+            if p.engine not in q.candidates:
+                raise EngineError(f"policy {self.policy.name} placed {q.request.request_id} on {p.engine!r}, "
+                                  f"not one of its candidates {q.candidates}")
+            entry = self.registry.entry(p.engine)
+            lease = Lease(self, entry, t.request, t.enqueued_at)
+            self._leases.setdefault(entry.name, []).append(lease)
+            t.future.set_result(lease)
+            logger.debug("dispatch %s -> %s (policy %s)", t.request.request_id, entry.name, self.policy.name)
+
+    def _info(self, request: DispatchRequest, enqueued_at: float) -> SchedInfo:
+        if self.info_lookup is not None and request.session_id is not None:
+            return self.info_lookup(request.session_id, request.request_id)
+        return SchedInfo(app_order=enqueued_at)
+
+    def _held(self, entry: EngineEntry) -> list[Lease]:
+        return [lease for lease in self._leases.get(entry.name, ()) if lease.client is entry.client]
+
+    def _cluster(self, queued: Sequence[QueuedRequest] = ()) -> ClusterView:
+        """Live engines with what is placed on them (demands from the current labels: a request relabeled
+        after placement changes its engine's cap right away)."""
+        entries = [e for e in self.registry.entries() if e.healthy and e.info is not None]
+        held = {e.name: [(lease, self._info(lease.request, lease.enqueued_at)) for lease in self._held(e)]
+                for e in entries}
+        group_tokens: dict[tuple[str | None, str], int] = {}
+        for q in queued:
+            if q.group_key is not None:
+                group_tokens[q.group_key] = group_tokens.get(q.group_key, 0) + q.tokens
+        for pairs in held.values():
+            for lease, info in pairs:
+                if info.task_group is not None:
+                    key = (lease.request.session_id, info.task_group)
+                    group_tokens[key] = group_tokens.get(key, 0) + lease.tokens
+        engines = {}
+        for e in entries:
+            placed = []
+            for lease, info in held[e.name]:
+                key = (lease.request.session_id, info.task_group) if info.task_group is not None else None
+                demand = self.policy.demand(lease.request, info, group_tokens.get(key, lease.tokens)
+                                            if key is not None else lease.tokens)
+                placed.append(PlacedRequest(lease.request.request_id, lease.request.session_id, lease.tokens,
+                                            demand, info.task_group))
+            s = e.status
+            capacity = s.kv_blocks_total * s.block_size if s is not None and s.kv_blocks_total > 0 else None
+            assert e.info is not None
+            engines[e.name] = EngineView(e.name, e.info.name, e.info.max_model_len, s, capacity, tuple(placed))
+        lookup = self.prefix_lookup
+        prefix = (lambda engine, r: lookup(engine, r.prefix_hashes)) if lookup is not None else None
+        return ClusterView(engines, prefix_tokens=prefix, group_tokens=group_tokens)
+
+    # ---- capacity hints -------------------------------------------------------------------------------------
+    def _update_caps(self) -> None:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop (a synchronous caller): the next round pushes
+        cluster = self._cluster()
+        for name, view in cluster.engines.items():
+            caps = [p.demand.cap for p in view.placed if p.demand.cap is not None]
+            wanted = min(caps) if caps else None
+            if name in self._no_caps or (self._caps_sent.get(name) == wanted and name not in self._cap_tasks):
+                continue
+            self._caps_wanted[name] = wanted
+            if name not in self._cap_tasks:
+                entry = self.registry.entry(name)
+                self._cap_tasks[name] = asyncio.get_running_loop().create_task(self._push_caps(entry))
+
+    async def _push_caps(self, entry: EngineEntry) -> None:
+        name = entry.name
+        try:
+            while self._caps_sent.get(name) != self._caps_wanted.get(name):
+                cap = self._caps_wanted.get(name)
+                supported = await asyncio.wait_for(entry.client.set_token_cap(cap), CAP_PUSH_TIMEOUT_S)
+                self._caps_sent[name] = cap
+                if not supported:
+                    self._no_caps.add(name)
+                    return
+        except (ParrotError, OSError, asyncio.TimeoutError) as e:
+            logger.debug("pushing the token cap to engine %s failed: %s", name, e)
+        finally:
+            self._cap_tasks.pop(name, None)
+
+    async def close(self) -> None:
+        """Stop cap pushes; fail whatever still waits in the queue."""
+        for t in self._queue:
+            if not t.future.done():
+                t.future.set_exception(EngineError("the manager is shutting down"))
+        self._queue.clear()
+        tasks = list(self._cap_tasks.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ---- introspection --------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        cluster = self._cluster()
+        return {"policy": self.policy.name, "queued": len(self._queue), "engines": {
+            name: {"requests": len(v.placed), "tokens": v.tokens, "cap": v.cap,
+                   "cap_sent": self._caps_sent.get(name), "kinds": sorted({p.demand.kind.value for p in v.placed})}
+            for name, v in cluster.engines.items()}}

@@ -1,13 +1,26 @@
-"""The engines a manager can dispatch to: their clients, model info, last status and health.
+"""The engines a manager can dispatch to: their clients, model info, last status and liveness.
 
-Health comes from heartbeats (``status()`` calls): an engine whose heartbeat fails is skipped by dispatch
-until a later heartbeat succeeds. The request path never flips health, so one failed call cannot take the
-only engine out of service.
+Each engine is a small state machine, changed only here::
+
+    PENDING --(model info + status answered)--> ALIVE --(failed call / missed heartbeats)--> DEAD
+                                                  ^                                            |
+                                                  +----------(a heartbeat succeeds again)------+
+
+* A call that cannot reach the engine (``EngineUnavailable``, from a heartbeat probe or from the request
+  path via :meth:`EngineRegistry.mark_dead`) kills it at once; other heartbeat failures (errors, a probe that
+  hangs) kill it once no heartbeat succeeded for ``timeout_s``.
+* A DEAD engine keeps being probed; the first success (a pull probe or a pushed heartbeat) revives it.
+* ``register`` (an engine process announcing itself, e.g. after a restart) replaces the old entry: the old
+  one dies (its contexts are gone with the process) and the new one starts PENDING.
+
+Listeners (the dispatcher) are told about every state change, synchronously, so the requests running on a
+dead engine can be rescheduled right away.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -19,7 +32,13 @@ from parrot.engine.interface import EngineClient, EngineStatus, ModelInfo
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+class EngineState(str, enum.Enum):
+    PENDING = "pending"  # known, but model info / status not fetched yet
+    ALIVE = "alive"
+    DEAD = "dead"
+
+
+@dataclass(eq=False)
 class EngineEntry:
     """Registry-owned record of one engine (fields are written by the registry only)."""
 
@@ -27,17 +46,35 @@ class EngineEntry:
     client: EngineClient
     info: ModelInfo | None = None  # None until the engine answered model_info()
     status: EngineStatus | None = None
-    healthy: bool = False
-    last_heartbeat: float | None = None  # time.monotonic() of the last successful status()
+    state: EngineState = EngineState.PENDING
+    last_heartbeat: float | None = None  # registry clock of the last successful status()
     last_error: str | None = None
+    deaths: int = 0
+
+    @property
+    def healthy(self) -> bool:
+        return self.state is EngineState.ALIVE
+
+    @healthy.setter
+    def healthy(self, value: bool) -> None:
+        """Operator/test override without notifying listeners (a later heartbeat decides again)."""
+        self.state = EngineState.ALIVE if value and self.info is not None else EngineState.DEAD
+
+
+Listener = Callable[[EngineEntry], None]
 
 
 class EngineRegistry:
     def __init__(self, clients: Sequence[EngineClient] = (), *, clock: Callable[[], float] = time.monotonic):
         self._clock = clock
         self._entries: dict[str, EngineEntry] = {}
+        self._listeners: list[Listener] = []
+        self.num_deaths = 0
         for client in clients:
             self.add(client)
+
+    def add_listener(self, listener: Listener) -> None:
+        self._listeners.append(listener)
 
     def add(self, client: EngineClient) -> EngineEntry:
         name = getattr(client, "name", None)
@@ -51,11 +88,47 @@ class EngineRegistry:
 
     def register(self, client: EngineClient) -> EngineEntry:
         """Add an engine that announced itself, replacing a previous registration under the same name (an
-        engine process that restarted comes back with a fresh client)."""
+        engine process that restarted comes back with a fresh client; the old one is declared dead)."""
         old = self._entries.pop(client.name, None)
         if old is not None:
             logger.info("engine %s re-registered", client.name)
+            self._set_state(old, EngineState.DEAD, "replaced by a new registration")
         return self.add(client)
+
+    def remove(self, name: str) -> None:
+        entry = self._entries.pop(name, None)
+        if entry is not None:
+            self._set_state(entry, EngineState.DEAD, "removed")
+
+    # ---- state changes ----------------------------------------------------------------------------------------
+    def _set_state(self, entry: EngineEntry, state: EngineState, reason: str | None = None) -> None:
+        if entry.state is state:
+            return
+        previous, entry.state = entry.state, state
+        if state is EngineState.DEAD:
+            entry.deaths += 1
+            self.num_deaths += 1
+            entry.last_error = reason or entry.last_error
+            logger.warning("engine %s is dead (%s)", entry.name, reason)
+        elif state is EngineState.ALIVE:
+            entry.last_error = None
+            assert entry.info is not None
+            logger.info("engine %s is %s (model %s, window %d)", entry.name,
+                        "back" if previous is EngineState.DEAD else "alive", entry.info.name, entry.info.max_model_len)
+        for listener in list(self._listeners):
+            try:
+                listener(entry)
+            except Exception:  # a listener bug must not stop the others (or the heartbeat loop)
+                logger.exception("engine state listener failed")
+
+    def mark_dead(self, name: str, reason: str, *, client: EngineClient | None = None) -> bool:
+        """A call to engine ``name`` failed as unreachable. Ignored if the engine is unknown, already dead, or
+        (with ``client``) was replaced since that call started. True if this call killed it."""
+        entry = self._entries.get(name)
+        if entry is None or (client is not None and entry.client is not client) or entry.state is EngineState.DEAD:
+            return False
+        self._set_state(entry, EngineState.DEAD, reason)
+        return True
 
     def record_heartbeat(self, name: str, status: EngineStatus) -> EngineEntry:
         """A pushed heartbeat from a registered engine process. Raises EngineUnavailable if unknown."""
@@ -63,38 +136,56 @@ class EngineRegistry:
         entry.status = status
         entry.last_heartbeat = self._clock()
         if entry.info is not None:
-            entry.healthy, entry.last_error = True, None
+            self._set_state(entry, EngineState.ALIVE)
         return entry
-
-    def remove(self, name: str) -> None:
-        self._entries.pop(name, None)
 
     # ---- heartbeats -------------------------------------------------------------------------------------------
     async def probe(self, entry: EngineEntry) -> None:
-        """Fetch model info (once) and status; update health."""
+        """Fetch model info (once) and status; update liveness."""
         try:
             if entry.info is None:
                 entry.info = await entry.client.model_info()
             entry.status = await entry.client.status()
-        except (ParrotError, OSError) as e:
-            if entry.healthy or entry.last_error is None:
-                logger.warning("engine %s failed its heartbeat: %s", entry.name, e)
-            entry.healthy, entry.last_error = False, str(e)
+        except EngineUnavailable as e:
+            entry.last_error = str(e)
+            if entry.state is not EngineState.PENDING:
+                self._set_state(entry, EngineState.DEAD, f"heartbeat: {e}")
             return
-        if not entry.healthy:
-            logger.info("engine %s is healthy (model %s, window %d)", entry.name, entry.info.name,
-                        entry.info.max_model_len)
-        entry.healthy, entry.last_error = True, None
+        except (ParrotError, OSError) as e:
+            if entry.last_error is None:
+                logger.warning("engine %s failed its heartbeat: %s", entry.name, e)
+            entry.last_error = str(e)
+            return
         entry.last_heartbeat = self._clock()
+        self._set_state(entry, EngineState.ALIVE)
 
-    async def refresh(self) -> None:
-        await asyncio.gather(*(self.probe(e) for e in list(self._entries.values())))
+    async def refresh(self, timeout_s: float | None = None) -> None:
+        """Probe every engine (each probe bounded by ``timeout_s``), then kill those silent for ``timeout_s``."""
+        async def one(entry: EngineEntry) -> None:
+            try:
+                await asyncio.wait_for(self.probe(entry), timeout_s)
+            except asyncio.TimeoutError:
+                entry.last_error = f"heartbeat timed out after {timeout_s} s"
 
-    async def heartbeat_loop(self, interval_s: float) -> None:
+        await asyncio.gather(*(one(e) for e in list(self._entries.values())))
+        if timeout_s is not None:
+            self.check_timeouts(timeout_s)
+
+    def check_timeouts(self, timeout_s: float) -> list[str]:
+        """Declare dead every ALIVE engine without a successful heartbeat for more than ``timeout_s``."""
+        now, dead = self._clock(), []
+        for entry in list(self._entries.values()):
+            if entry.state is EngineState.ALIVE and entry.last_heartbeat is not None \
+                    and now - entry.last_heartbeat > timeout_s:
+                self._set_state(entry, EngineState.DEAD, f"no heartbeat for {now - entry.last_heartbeat:.1f} s")
+                dead.append(entry.name)
+        return dead
+
+    async def heartbeat_loop(self, interval_s: float, timeout_s: float | None = None) -> None:
         """Refresh every ``interval_s`` until cancelled (the manager owns and cancels this task)."""
         while True:
             await asyncio.sleep(interval_s)
-            await self.refresh()
+            await self.refresh(timeout_s)
 
     # ---- queries ----------------------------------------------------------------------------------------------
     def entries(self) -> list[EngineEntry]:
@@ -115,10 +206,10 @@ class EngineRegistry:
         return list(seen.values())
 
     def candidates(self, models: Sequence[str] = ()) -> list[EngineEntry]:
-        """Healthy engines serving one of ``models`` (any model if empty).
+        """Live engines serving one of ``models`` (any model if empty).
 
         Raises UnknownModel (404) if no engine serves any of the named models, EngineUnavailable (503) if
-        the matching engines are all unhealthy (or there are none at all).
+        the matching engines are all dead or pending (or there are none at all).
         """
         matching = [e for e in self._entries.values()
                     if e.info is not None and (not models or e.info.name in models)]
@@ -127,5 +218,5 @@ class EngineRegistry:
             raise UnknownModel(f"model {', '.join(models)!s} is not served here (served: {served})", param="model")
         healthy = [e for e in matching if e.healthy]
         if not healthy:
-            raise EngineUnavailable("no healthy engine" + (f" for model {', '.join(models)}" if models else ""))
+            raise EngineUnavailable("no live engine" + (f" for model {', '.join(models)}" if models else ""))
         return healthy

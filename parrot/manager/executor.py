@@ -12,6 +12,11 @@ fill everything before an output, generate the output (its tokens join the conte
 consumers start right away, even before the request's later outputs), continue; free the context at the end.
 With prefix sharing (:mod:`parrot.manager.prefix_sharing`) the context is instead created as a fork of a
 prefix context holding the pieces up to a boundary, and the first fill carries only the pieces after it.
+
+Failover: if the engine becomes unreachable (a call raises EngineUnavailable) or is declared dead while the
+request runs (its lease is lost), the request is rescheduled: it restarts from its head on another engine, up
+to ``max_attempts`` runs in all. Outputs it already materialized stay: their generated text is filled back
+instead of generated again, so every consumer sees one value per variable.
 """
 
 from __future__ import annotations
@@ -23,11 +28,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from parrot.common.errors import ParrotError, StepFailed, UnknownContext, UnknownSession
+from parrot.common.errors import EngineUnavailable, ParrotError, StepFailed, UnknownContext, UnknownSession
 from parrot.common.template import TextSegment
 from parrot.common.transforms import apply_transforms
 from parrot.engine.interface import EngineClient, ModelInfo
 from parrot.manager.dispatcher import Dispatcher, DispatchRequest, Lease
+from parrot.manager.engine_registry import EngineState
+from parrot.manager.failover import OrphanContexts, run_unless_lost
 from parrot.manager.graph import PlaceholderBinding, RequestNode, RequestStatus, Variable, VarStatus
 from parrot.manager.perf import PerfCriteria
 from parrot.manager.prefix_sharing import Boundary, Fork, PrefixSharing, PromptHead
@@ -41,12 +48,20 @@ CLOSE_WAIT_S = 10.0  # how long closing a session waits for its cancelled tasks 
 
 class GraphExecutor:
     def __init__(self, dispatcher: Dispatcher, prefix_store: PrefixStore, *, sharing: PrefixSharing | None = None,
-                 on_activity: Callable[[Session], None] | None = None, clock: Callable[[], float] = time.time):
+                 on_activity: Callable[[Session], None] | None = None, clock: Callable[[], float] = time.time,
+                 max_attempts: int = 3):
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts!r}")
         self.dispatcher = dispatcher
         self.prefix_store = prefix_store
         self.sharing = sharing  # None or disabled: every request fills its whole prompt
         self._on_activity = on_activity or (lambda session: None)
         self._clock = clock
+        self.max_attempts = max_attempts
+        self.num_rescheduled = 0  # runs restarted on another engine after an engine failure
+        # request key -> {output var id: raw generated text} of outputs materialized by an earlier run
+        self._generated: dict[str, dict[str, str]] = {}
+        self._orphans = OrphanContexts(dispatcher.registry)  # contexts left on engines while they were dead
 
     # ---- entry points ---------------------------------------------------------------------------------------
     def submitted(self, session: Session, req: RequestNode) -> None:
@@ -136,10 +151,27 @@ class GraphExecutor:
 
     # ---- execution ------------------------------------------------------------------------------------------
     async def _execute(self, session: Session, req: RequestNode) -> None:
+        key = _key(session, req)
         try:
-            lease = await self.dispatcher.acquire(self._dispatch_request(session, req))
-            with lease:
-                await self._run(session, req, lease)
+            enqueued_at: float | None = None
+            for attempt in range(1, self.max_attempts + 1):
+                lease = await self.dispatcher.acquire(self._dispatch_request(session, req), enqueued_at=enqueued_at)
+                enqueued_at = lease.enqueued_at  # a rescheduled request keeps its place in the queue
+                try:
+                    with lease:
+                        await run_unless_lost(lease, self._run(session, req, lease), f"request {req.request_id}")
+                    break
+                except EngineUnavailable as e:
+                    self.dispatcher.engine_failed(lease, e)
+                    if all(session.graph.variables[v].status is VarStatus.READY for v in req.outputs):
+                        break  # it lost the engine while freeing its context: nothing left to compute
+                    if attempt == self.max_attempts:
+                        raise
+                    self.num_rescheduled += 1
+                    logger.warning("session %s: request %s lost engine %s (%s); rescheduling (run %d of %d)",
+                                   session.session_id, req.request_id, lease.engine, e.message, attempt + 1,
+                                   self.max_attempts)
+                    session.graph.set_status(req, RequestStatus.READY)
             session.graph.set_status(req, RequestStatus.FINISHED)
         except asyncio.CancelledError:
             raise  # the session is closing; close_session fails what is left and frees contexts
@@ -152,6 +184,7 @@ class GraphExecutor:
             self._fail(session, req, StepFailed(f"request {req.request_id} {req.label} failed: internal "
                                                 f"error {type(e).__name__}: {e}", cause_code="internal_error"))
         finally:
+            self._generated.pop(key, None)
             self._on_activity(session)
 
     async def _run(self, session: Session, req: RequestNode, lease: Lease) -> None:
@@ -177,10 +210,13 @@ class GraphExecutor:
             boundaries: list[Boundary] = []  # (prefix hash, token offset) not yet registered
             for i in range(n_head, len(req.segments)):
                 seg = req.segments[i]
+                replayed: str | None = None  # raw text of an output materialized by an earlier run
                 if not isinstance(seg, TextSegment):
                     binding = req.bindings[seg.name]
                     boundaries.append(Boundary(hasher.hexdigest, offset))
                     if binding.is_output:
+                        replayed = self._generated.get(key, {}).get(binding.var_id or "")
+                    if binding.is_output and replayed is None:
                         if pending:
                             await client.fill(pending, ctx)
                             pending = []
@@ -191,7 +227,7 @@ class GraphExecutor:
                         offset += n
                         hasher.update(piece)
                         continue
-                piece = _piece(session, req, i)
+                piece = _piece(session, req, i) if replayed is None else replayed
                 toks = await client.tokenize(piece)
                 pending.extend(toks)
                 offset += len(toks)
@@ -258,6 +294,7 @@ class GraphExecutor:
             text = text[lead:]
         value = apply_transforms(list(binding.transforms), text) if binding.transforms else text
         self._materialize(session, binding.var_id, value)
+        self._generated.setdefault(_key(session, req), {})[binding.var_id] = result.text
         return result.text, len(result.token_ids)
 
     async def _free(self, session: Session, ctx: str) -> None:
@@ -266,7 +303,11 @@ class GraphExecutor:
             return
         self.prefix_store.remove_context(engine, ctx)
         try:
-            await self.dispatcher.registry.entry(engine).client.free_context(ctx)
+            entry = self.dispatcher.registry.entry(engine)
+            if entry.state is EngineState.DEAD:  # a call could hang until the engine's timeout
+                self._orphans.add(engine, entry.client, ctx)
+                return
+            await entry.client.free_context(ctx)
         except UnknownContext:
             pass  # never created (cancelled before the first fill) or already gone
         except ParrotError as e:

@@ -6,7 +6,9 @@ the model) and ``max_num_seqs`` (running ops):
     plan = [ decode ops (1 token each) | running prefills (chunks) | newly admitted ops (chunks) ]
 
 Order of service: running ops first (decodes before prefill chunks, each group by arrival), then admission
-of waiting ops in FCFS order. KV blocks are allocated for exactly the tokens scheduled. When the pool is
+of waiting ops in FCFS order. Admission also respects ``token_cap`` (the global scheduler's placement hint,
+see ``EngineClient.set_token_cap``): while anything runs, a waiting op is admitted only if the running ops'
+contexts plus its own stay within the cap. KV blocks are allocated for exactly the tokens scheduled. When the pool is
 short it first evicts the KV of idle contexts (least recently used), then preempts the most recently
 arrived running op (its context's KV is dropped and recomputed later: "recompute" preemption). A waiting op
 never preempts a running one. The pool is never over-committed and KV is never shared while writable.
@@ -57,6 +59,7 @@ class Scheduler:
         self.running: list[Op] = []
         self.idle_contexts: dict[str, Context] = {}  # contexts holding KV with no op (eviction candidates)
         self.num_preemptions = 0
+        self.token_cap: int | None = None  # max tokens in running ops' contexts when admitting (None = no cap)
 
     # ---- queue management (called by the engine loop) -----------------------------------------------------
     def add(self, op: Op) -> None:
@@ -176,10 +179,13 @@ class Scheduler:
             chunks.append(chunk)
             budget -= chunk.num_tokens
 
+        running_tokens = sum(len(o.ctx.tokens) for o in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             op = self.waiting[0]
             if op in preempted:  # do not re-admit in the same iteration it was preempted
                 break
+            if self.token_cap is not None and self.running and running_tokens + len(op.ctx.tokens) > self.token_cap:
+                break  # FCFS under the placement's cap: the head waits for running ops to finish
             needed = self.pool.blocks_for(len(op.ctx.tokens) + 1)
             if needed > self.pool.num_blocks:
                 raise TooLargeForPool(op, needed, self.pool.num_blocks)
@@ -189,6 +195,7 @@ class Scheduler:
             self.waiting.pop(0)
             op.status = OpStatus.RUNNING
             self.running.append(op)
+            running_tokens += len(op.ctx.tokens)
             chunks.append(chunk)
             budget -= chunk.num_tokens
         # an op planned early in this iteration may have been preempted by an older one later on

@@ -1,0 +1,51 @@
+"""Global scheduling policies, selectable per server (``parrot serve --policy NAME``).
+
+``parrot`` is the paper's application-centric Algorithm 1; ``fifo-latency`` and ``fifo-throughput`` are the
+request-centric baselines of §8.1 (same code path, FIFO + least-queue + one token cap); ``least-loaded``
+dispatches at once without caps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from parrot.manager.policies.app_centric import AppCentricPolicy
+from parrot.manager.policies.base import (
+    CapacityConfig,
+    ClusterView,
+    Demand,
+    DispatchRequest,
+    EngineLoad,
+    EngineView,
+    Occupancy,
+    PerRequestPolicy,
+    Placement,
+    PlacedRequest,
+    Policy,
+    QueuedRequest,
+    WorkKind,
+)
+from parrot.manager.policies.baseline import FifoPolicy, LeastLoadedPolicy
+
+_FACTORIES: dict[str, Callable[[CapacityConfig], Policy]] = {
+    "parrot": lambda caps: AppCentricPolicy(caps),
+    "fifo-latency": lambda caps: FifoPolicy(caps.latency_cap_tokens, name="fifo-latency"),
+    "fifo-throughput": lambda caps: FifoPolicy(caps.throughput_cap_tokens, name="fifo-throughput"),
+    "least-loaded": lambda caps: LeastLoadedPolicy(),
+}
+POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)
+
+
+def make_policy(name: str, caps: CapacityConfig | None = None) -> Policy:
+    """The policy called ``name`` (one of POLICY_NAMES); ValueError naming the known ones otherwise."""
+    factory = _FACTORIES.get(name)
+    if factory is None:
+        raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICY_NAMES)})")
+    return factory(caps or CapacityConfig())
+
+
+__all__ = [
+    "POLICY_NAMES", "AppCentricPolicy", "CapacityConfig", "ClusterView", "Demand", "DispatchRequest", "EngineLoad",
+    "EngineView", "FifoPolicy", "LeastLoadedPolicy", "Occupancy", "PerRequestPolicy", "Placement", "PlacedRequest",
+    "Policy", "QueuedRequest", "WorkKind", "make_policy",
+]

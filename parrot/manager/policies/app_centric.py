@@ -1,0 +1,140 @@
+"""Parrot's application-centric scheduling (paper §5.4, Algorithm 1 and FindEngine).
+
+Queue order ("topological order; requests of one app kept together"): earliest deadline first (a deadline
+or a TTFT target, see :mod:`parrot.manager.perf_deduction`), then latency-sensitive before throughput work,
+then the app that arrived first, then depth in its DAG, then arrival. Unlike the FIFO baselines a request
+that fits nowhere does not block the ones behind it.
+
+For each queued request ``r`` in that order (Algorithm 1)::
+
+    if r is in a task group:           FindEngine(all queued members of the group)   -- placed as a whole
+    elif queued requests share a prefix with r: FindEngine(r + those sharers)           -- co-located for forks
+    elif engines hold r's prefix:      FindEngine(r, only those engines)
+    if nothing was found:              FindEngine(r)
+
+FindEngine(set S): among the engines serving every member, those with room for S's tokens under both the
+engine's current cap and the strictest cap in S (:class:`~parrot.manager.policies.base.Occupancy`); the best
+is, in order: one already hosting members of S's task group, one already running the same kind of work
+(no capacity reduction: "scheduled to an engine that has already been running a latency-sensitive request,
+the capacity reduction is negligible"), an idle one, then the longest held prefix, then the fewest tokens.
+
+Caps (:meth:`AppCentricPolicy.demand`): latency-sensitive work and work of unknown objective caps its engine at
+``latency_cap_tokens`` (tighter with a TPOT target); a task group at its own total (so it runs as one large
+batch, but nothing unrelated piles on); throughput work at ``throughput_cap_tokens`` (and the engine's KV).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence
+
+from parrot.manager.perf import PerfCriteria
+from parrot.manager.perf_deduction import SchedInfo
+from parrot.manager.policies.base import (
+    CapacityConfig,
+    ClusterView,
+    Demand,
+    DispatchRequest,
+    Occupancy,
+    Placement,
+    Policy,
+    QueuedRequest,
+    WorkKind,
+)
+
+
+class AppCentricPolicy(Policy):
+    name = "parrot"
+
+    def __init__(self, caps: CapacityConfig | None = None) -> None:
+        self.caps = caps or CapacityConfig()
+
+    def demand(self, request: DispatchRequest, info: SchedInfo, group_tokens: int) -> Demand:
+        label = info.label
+        if label is not None and label.criteria is PerfCriteria.THROUGHPUT:
+            return Demand(self.caps.throughput_cap_tokens, WorkKind.THROUGHPUT)
+        cap = self.caps.latency_cap_tokens
+        if label is not None and label.targets.tpot_s is not None:
+            cap = min(cap, self.caps.cap_for_tpot(label.targets.tpot_s))
+        if label is not None and label.task_group is not None:
+            cap = max(cap, min(group_tokens, self.caps.throughput_cap_tokens))
+        return Demand(cap, WorkKind.LATENCY)
+
+    @staticmethod
+    def order_key(q: QueuedRequest) -> tuple:
+        t = q.info.targets
+        due = [d for d in (t.deadline, q.enqueued_at + t.ttft_s if t.ttft_s is not None else None) if d is not None]
+        throughput = q.info.criteria is PerfCriteria.THROUGHPUT
+        return (min(due, default=math.inf), throughput, q.info.app_order, q.info.depth, q.enqueued_at, q.ticket)
+
+    def place(self, queue: Sequence[QueuedRequest], cluster: ClusterView) -> list[Placement]:
+        order = sorted(queue, key=self.order_key)
+        occ = Occupancy(cluster)
+        hosts: dict[tuple[str | None, str], set[str]] = {}  # task group -> engines running members of it
+        for e in cluster.engines.values():
+            for p in e.placed:
+                if p.task_group is not None:
+                    hosts.setdefault((p.session_id, p.task_group), set()).add(e.name)
+        left = {q.ticket: q for q in order}
+        out: list[Placement] = []
+
+        def assign(members: list[QueuedRequest], engine: str) -> None:
+            for m in members:
+                occ.add(engine, m.tokens, self._demand(m, cluster))
+                out.append(Placement(m.ticket, engine))
+                del left[m.ticket]
+                if m.group_key is not None:
+                    hosts.setdefault(m.group_key, set()).add(engine)
+
+        for q in order:
+            if q.ticket not in left:
+                continue
+            if q.group_key is not None:  # Algorithm 1, lines 4-5
+                members = [m for m in left.values() if m.group_key == q.group_key]
+                engine = self.find_engine(members, occ, cluster, prefer=hosts.get(q.group_key, ()))
+                if engine is not None:
+                    assign(members, engine)
+                    continue
+            sharers = [m for m in left.values() if m is not q and _share_prefix(q, m)]
+            if sharers:  # lines 6-7
+                engine = self.find_engine([q, *sharers], occ, cluster)
+                if engine is not None:
+                    assign([q, *sharers], engine)
+                    continue
+            holders = [e for e in q.candidates if cluster.prefix_tokens(e, q.request) > 0]
+            engine = self.find_engine([q], occ, cluster, only=holders) if holders else None  # lines 8-9
+            if engine is None:
+                engine = self.find_engine([q], occ, cluster)  # lines 10-11
+            if engine is not None:
+                assign([q], engine)
+        return out
+
+    def find_engine(self, members: Sequence[QueuedRequest], occ: Occupancy, cluster: ClusterView, *,
+                    only: Collection[str] | None = None, prefer: Collection[str] = ()) -> str | None:
+        """The best engine with room for all of ``members`` at once, or None (see the module docstring)."""
+        demands = [self._demand(m, cluster) for m in members]
+        caps = [d.cap for d in demands if d.cap is not None]
+        cap = min(caps) if caps else None
+        kind = WorkKind.LATENCY if any(d.kind is WorkKind.LATENCY for d in demands) else WorkKind.THROUGHPUT
+        tokens = sum(m.tokens for m in members)
+        names = set(members[0].candidates).intersection(*(m.candidates for m in members[1:]))
+        if only is not None:
+            names &= set(only)
+        room = [e for e in names if occ.fits(e, tokens, cap)]
+        if not room:
+            return None
+
+        def score(e: str) -> tuple:
+            prefix = max(cluster.prefix_tokens(e, m.request) for m in members)
+            return (e not in prefer, occ.similarity(e, kind), -prefix, occ.tokens[e], e)
+
+        return min(room, key=score)
+
+    def _demand(self, q: QueuedRequest, cluster: ClusterView) -> Demand:
+        return self.demand(q.request, q.info, cluster.group_tokens(q.group_key, q.tokens))
+
+
+def _share_prefix(a: QueuedRequest, b: QueuedRequest) -> bool:
+    """Both wait with a common PrefixHash (Algorithm 1, SharedReqsInQueue) and can run on a common engine."""
+    return bool(set(a.request.prefix_hashes) & set(b.request.prefix_hashes)) and \
+        bool(set(a.candidates) & set(b.candidates))

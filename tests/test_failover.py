@@ -1,0 +1,326 @@
+"""Failover: engines declared dead (missed heartbeats, failed calls), requests rescheduled on another engine
+(restarting from their head, outputs already materialized kept), typed errors when no engine is left, dead ->
+alive again. First on fake engines, then with real `parrot engine` processes (tiny random model) and SIGKILL."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from parrot.common.errors import EngineUnavailable, StepFailed
+from parrot.manager import EngineRegistry, EngineState, Manager, ManagerConfig
+from parrot.manager.graph import RequestStatus
+from parrot.manager.submit import PlaceholderSpec, SubmitSpec
+from fakes import TAIL, FakeEngine
+
+
+class FlakyEngine(FakeEngine):
+    """A fake engine that becomes unreachable: every call raises EngineUnavailable once ``down``; with
+    ``die_on_generate=n`` it goes down during its n-th generate call."""
+
+    def __init__(self, name: str, *, die_on_generate: int | None = None) -> None:
+        super().__init__(name)
+        self.down = False
+        self.die_on_generate = die_on_generate
+        self.generates = 0
+
+    def _check(self) -> None:
+        if self.down:
+            raise EngineUnavailable(f"engine {self.name} unreachable (connection refused)")
+
+    async def fill(self, token_ids, context_id, parent_context_id=None):
+        self._check()
+        return await super().fill(token_ids, context_id, parent_context_id)
+
+    async def generate(self, sampling, context_id, parent_context_id=None):
+        self._check()
+        self.generates += 1
+        if self.generates == self.die_on_generate:
+            self.down = True
+            self._check()
+        return await super().generate(sampling, context_id, parent_context_id)
+
+    async def tokenize(self, text):
+        self._check()
+        return await super().tokenize(text)
+
+    async def status(self):
+        self._check()
+        return await super().status()
+
+    async def free_context(self, context_id):
+        self._check()
+        return await super().free_context(context_id)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def run(engines, body, *, registry_clock=None, **config):
+    async def main():
+        registry = EngineRegistry(engines, clock=registry_clock) if registry_clock else EngineRegistry(engines)
+        mgr = Manager(registry, config=ManagerConfig(heartbeat_interval_s=0, **config))
+        await mgr.start()
+        try:
+            return await asyncio.wait_for(body(mgr), 20)
+        finally:
+            await mgr.stop()
+
+    return asyncio.run(main())
+
+
+TWO_OUTPUTS = SubmitSpec("A: {{input:a}}\nB: {{output:b}}\nC: {{output:c}}",
+                         [PlaceholderSpec("a", False, None), PlaceholderSpec("b", True), PlaceholderSpec("c", True)])
+
+
+def submit_two_outputs(mgr, s, a_var):
+    spec = SubmitSpec(TWO_OUTPUTS.prompt, [PlaceholderSpec("a", False, a_var), *TWO_OUTPUTS.placeholders[1:]])
+    return mgr.submit(s, spec)
+
+
+def test_missed_heartbeats_kill_an_engine_and_one_heartbeat_revives_it():
+    clock = FakeClock()
+    e0 = FakeEngine("e0")
+    registry = EngineRegistry([e0], clock=clock)
+    seen: list[EngineState] = []
+    registry.add_listener(lambda entry: seen.append(entry.state))
+
+    async def main():
+        await registry.refresh()
+        assert registry.entry("e0").state is EngineState.ALIVE
+        clock.t += 5
+        assert registry.check_timeouts(10) == []
+        clock.t += 6  # 11 s without a heartbeat
+        assert registry.check_timeouts(10) == ["e0"]
+        with pytest.raises(EngineUnavailable):
+            registry.candidates()
+        registry.record_heartbeat("e0", await e0.status())  # a pushed heartbeat arrives again
+        assert registry.entry("e0").healthy and registry.num_deaths == 1
+
+    asyncio.run(main())
+    assert seen == [EngineState.ALIVE, EngineState.DEAD, EngineState.ALIVE]
+
+
+def test_unreachable_engine_mid_request_restarts_it_elsewhere_keeping_materialized_outputs():
+    e0, e1 = FlakyEngine("e0", die_on_generate=2), FakeEngine("e1")
+
+    async def body(mgr):
+        s = mgr.create_session()
+        a = mgr.create_variable(s, "a", "hi")
+        req = submit_two_outputs(mgr, s, a.var_id)
+        c = await mgr.get_variable(s, req.outputs[1], timeout_s=5)
+        b = await mgr.get_variable(s, req.outputs[0])
+        return req, b, c, mgr.stats()["failover"], mgr.registry.entry("e0").state
+
+    req, b, c, failover, e0_state = run([e0, e1], body)
+    assert b.value == FakeEngine.reply_for("A: hi\nB:")  # generated on e0 before it died
+    assert c.value == FakeEngine.reply_for("A: hi\nB:" + b.value + "\nC:") + TAIL  # same text as without failure
+    assert req.engine == "e1" and req.status is RequestStatus.FINISHED
+    assert len(e1.calls_of("generate")) == 1  # only c: b was filled back, not generated again
+    assert e0_state is EngineState.DEAD and failover == {"rescheduled": 1, "engine_deaths": 1}
+    assert e1.contexts == {}  # freed on the survivor
+
+
+def test_engine_declared_dead_by_heartbeat_timeout_cancels_the_hanging_call_and_reschedules():
+    clock = FakeClock()
+    e0, e1 = FakeEngine("e0"), FakeEngine("e1")
+    e0.gate = asyncio.Event()  # e0 hangs in generate (a stuck process): no error ever comes back
+
+    async def body(mgr):
+        s = mgr.create_session()
+        a = mgr.create_variable(s, "a", "x")
+        req = submit_two_outputs(mgr, s, a.var_id)
+        while e0.generating == 0:
+            await asyncio.sleep(0.01)
+        clock.t += 30
+        await mgr.registry.probe(mgr.registry.entry("e1"))  # e1 answers its heartbeat, e0 is silent
+        assert mgr.registry.check_timeouts(10) == ["e0"]
+        c = await mgr.get_variable(s, req.outputs[1], timeout_s=5)
+        while req.status is not RequestStatus.FINISHED:
+            await asyncio.sleep(0.01)
+        assert e0.calls_of("free") == []  # no call into a dead engine (it could hang as well)
+        assert e0.generating == 0 and len(e0.contexts) == 1  # the stuck call was cancelled, its context left
+        await mgr.registry.probe(mgr.registry.entry("e0"))  # the same process answers again: alive
+        while e0.contexts:
+            await asyncio.sleep(0.01)
+        return req, c
+
+    req, c = run([e0, e1], body, registry_clock=clock)
+    assert c.value and req.engine == "e1" and req.status is RequestStatus.FINISHED
+    assert len(e0.calls_of("free")) == 1  # the context left behind was freed once it came back
+
+
+def test_no_engine_left_fails_every_dependent_get_with_a_typed_error():
+    e0 = FlakyEngine("e0")
+    e0.down = True  # unreachable from the first call on
+
+    async def body(mgr):
+        s = mgr.create_session()
+        a = mgr.create_variable(s, "a", "x")
+        first = submit_two_outputs(mgr, s, a.var_id)
+        second = mgr.submit(s, SubmitSpec("{{input:b}} -> {{output:d}}", [
+            PlaceholderSpec("b", False, first.outputs[0]), PlaceholderSpec("d", True)]))
+        errors = []
+        for var in (*first.outputs, *second.outputs):
+            with pytest.raises(StepFailed) as e:
+                await mgr.get_variable(s, var, timeout_s=5)
+            errors.append(e.value.cause_code)
+        return errors
+
+    assert run([e0], body) == ["engine_unavailable"] * 3
+
+
+def test_reschedule_gives_up_after_max_attempts():
+    engines = [FlakyEngine(f"e{i}", die_on_generate=1) for i in range(3)]
+
+    async def body(mgr):
+        s = mgr.create_session()
+        a = mgr.create_variable(s, "a", "x")
+        req = submit_two_outputs(mgr, s, a.var_id)
+        with pytest.raises(StepFailed) as e:
+            await mgr.get_variable(s, req.outputs[0], timeout_s=5)
+        return e.value, mgr.stats()["failover"]
+
+    err, failover = run(engines, body, max_attempts=2)
+    assert err.cause_code == "engine_unavailable" and failover["rescheduled"] == 1
+    assert sum(e.generates for e in engines) == 2  # two runs in all, on two engines
+
+
+# ---- real engine processes -------------------------------------------------------------------------------------
+TINY_ENGINE = ["--random-model", "tiny", "--dtype", "float32", "--weight-quant", "none", "--num-threads", "1",
+               "--kv-cache-tokens", "16384"]
+
+
+def _wait(cond, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def _live(url: str) -> set[str]:
+    engines = httpx.get(f"{url}/api/v1/engines", timeout=5).json()["engines"]
+    return {e["name"] for e in engines if e["healthy"]}
+
+
+def test_killed_engine_process_requests_rerun_on_the_survivor(tmp_path, default_model_path):
+    from parrot.api.app import create_app
+    from parrot.api.settings import ServerSettings
+    from parrot.engine.procs import EngineProcess, start_engines, stop_all
+    from parrot.frontend.client import connect
+    from parrot.frontend.function import Output, SemanticFunction
+    from parrot.frontend.local import LocalServer
+
+    settings = ServerSettings(policy="fifo-latency", engine_heartbeat_s=0.5, heartbeat_timeout_s=5)
+    server = LocalServer(create_app(settings, []))
+    log = open(tmp_path / "engines.log", "w")
+    procs = start_engines(2, server.url, engine_args=TINY_ENGINE, prefix="fo", heartbeat_s=0.3, output=log)
+    session = None
+    try:
+        _wait(lambda: _live(server.url) == {"fo-0", "fo-1"}, 180, "two engines to register")
+        session = connect(server.url, make_default=False)
+        long = Output(max_tokens=300, ignore_eos=True, temperature=0.0, stop=[])
+        short = Output(max_tokens=30, ignore_eos=True, temperature=0.0, stop=[])
+        summarize = SemanticFunction("Summarize part {{input:n}}: {{output:s}}", name="map", defaults=long)
+        combine = SemanticFunction("Combine {{input:a}} | {{input:b}} | {{input:c}} | {{input:d}} => {{output:s}}",
+                                   name="reduce", defaults=short)
+        polish = SemanticFunction("Polish: {{input:x}} -> {{output:s}}", name="polish", defaults=short)
+        maps = [summarize(str(i), session=session) for i in range(4)]
+        final = polish(combine(*maps, session=session), session=session)
+
+        def running_on_each_engine():
+            reqs = session.dag()["requests"]
+            busy = {r["engine"] for r in reqs if r["status"] == "running"}
+            return reqs if busy == {"fo-0", "fo-1"} else None
+
+        reqs = _wait(running_on_each_engine, 60, "map steps running on both engines")
+        victim = next(p for p in procs if p.name == "fo-0")
+        doomed = {r["request_id"] for r in reqs if r["status"] == "running" and r["engine"] == "fo-0"}
+        victim.kill()  # SIGKILL: no goodbye, in-flight HTTP calls break
+        values = [m.get(timeout=120) for m in maps] + [final.get(timeout=120)]
+        assert all(isinstance(v, str) and v for v in values)
+        # a request whose last output is materialized may still be freeing its context: wait for the status
+        dag = _wait(lambda: (d := {r["request_id"]: r for r in session.dag()["requests"]}) and
+                    all(r["status"] == "finished" for r in d.values()) and d, 30, "every request to finish")
+        assert {dag[r]["engine"] for r in doomed} == {"fo-1"}  # the killed engine's requests ran on the other
+        stats = httpx.get(f"{server.url}/api/v1/stats", timeout=5).json()["failover"]
+        assert stats["rescheduled"] >= len(doomed) >= 1 and stats["engine_deaths"] >= 1
+
+        # no engine left: a new request fails with a typed error at its get (never hangs)
+        survivor = next(p for p in procs if p.name == "fo-1")
+        survivor.kill()
+        orphan = polish("anything", session=session)
+        with pytest.raises(StepFailed) as e:
+            orphan.get(timeout=60)
+        assert e.value.cause_code == "engine_unavailable"
+
+        # an engine that comes back registers again (dead -> alive) and serves
+        procs.append(EngineProcess("fo-0", server.url, engine_args=TINY_ENGINE, heartbeat_s=0.3, output=log))
+        _wait(lambda: "fo-0" in _live(server.url), 180, "the restarted engine to register")
+        assert polish("again", session=session).get(timeout=60)
+    finally:
+        if session is not None:
+            session.close()
+        stop_all(procs)
+        server.stop()
+        log.close()
+
+
+def test_parrot_serve_starts_engine_children_that_die_with_it(default_model_path):
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    from parrot.engine.procs import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "parrot.cli", "--log-level", "WARNING", "serve", "--engines", "2", "--port",
+           str(port), "--policy", "fifo-throughput", *TINY_ENGINE]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    children: list[int] = []
+    try:
+        line = proc.stdout.readline()  # "parrot: serving on ... engine-0=http://... (pid N), ..."
+        children = [int(p) for p in re.findall(r"\(pid (\d+)\)", line)]
+        assert len(children) == 2, line
+        url = f"http://127.0.0.1:{port}"
+
+        def up():
+            try:
+                return _live(url) == {"engine-0", "engine-1"}
+            except httpx.HTTPError:
+                return False
+
+        _wait(up, 180, "both engine children to register")
+        policy = httpx.get(f"{url}/api/v1/stats", timeout=5).json()["scheduler"]["policy"]
+        assert policy == "fifo-throughput"
+    finally:
+        proc.kill()  # SIGKILL: no cleanup code runs in the server; the kernel tells the children
+        proc.wait(10)
+
+    def gone(pid: int) -> bool:
+        """Exited (a zombie nobody reaped yet counts: it no longer runs)."""
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                return any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+        except FileNotFoundError:
+            return True
+
+    try:
+        _wait(lambda: all(gone(p) for p in children), 30, "engine children to exit")
+    finally:
+        for pid in children:
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
