@@ -1,0 +1,548 @@
+"""Engine benchmark: the builtin engine vs HF transformers vs llama.cpp on one GGUF, plus the machine's peak.
+
+    python -m parrot.bench.engine [--systems ours,hf,llamacpp] [--quick] [--out bench_out/engine]
+
+Every system (and the machine-peak measure) runs in its own subprocess, one after the other
+(``python -m parrot.bench.engine --worker NAME ...`` prints one JSON line), so thread settings and the max
+RSS (``os.wait4``'s ru_maxrss of that child) are clean. The protocol is in :mod:`parrot.bench.peers`.
+
+Share of peak (stated with the table):
+    useful FLOPs per generated token = 2 * (matmul params incl. the output head)
+                                       + 4 * layers * n_heads * head_dim * L   (QK^T and PV over L tokens)
+    with L = context + K/2 (mean attended length while generating K tokens), as % of the bf16 matmul peak;
+    batch-1 bandwidth = weight bytes a decode step streams (its own format) * tok/s, as % of memory read GB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import resource
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict
+
+from parrot.bench.peers import Protocol, Runner
+
+log = logging.getLogger("parrot.bench.engine")
+
+DEFAULT_HF_DTYPES = ("float32", "bfloat16")
+DEFAULT_LLAMA_VARIANTS = ("file", "Q4_0", "Q8_0")  # "file" = the GGUF as given (Q4_1 by default)
+
+
+# ---- ours -------------------------------------------------------------------------------------------------------
+class OursRunner(Runner):
+    """The builtin engine in-process, driven through its public fill / generate / free_context API."""
+
+    def __init__(self, model_path: str, *, dtype: str, weight_quant: str, threads: int, proto: Protocol) -> None:
+        from parrot.engine.builder import build_engine
+        from parrot.engine.settings import EngineSettings
+
+        n = max(proto.batches)
+        # peak KV use: n parents of C tokens + n children of K tokens, each rounded up to whole blocks (+1 block
+        # of slack per sequence), plus one prefill context; sized tightly so the pool does not inflate max RSS
+        per_seq = proto.context_tokens + proto.decode_tokens + 2 * 16
+        self.settings = EngineSettings(
+            model=model_path, dtype=dtype, weight_quant=weight_quant, num_threads=threads, max_num_seqs=n,
+            max_batch_tokens=max(512, proto.prefill_tokens), kv_cache_tokens=n * per_seq + proto.prefill_tokens + 16,
+        )
+        self.engine = build_engine(self.settings)
+        self._n = 0
+        self._parents: list[str] = []
+
+    def _cid(self, kind: str) -> str:
+        self._n += 1
+        return f"bench-{kind}-{self._n}"
+
+    def prefill_seconds(self, tokens: list[int]) -> float:
+        cid = self._cid("prefill")
+        t0 = time.perf_counter()
+        self.engine.fill(tokens, cid).result()
+        secs = time.perf_counter() - t0
+        self.engine.free_context(cid).result()
+        return secs
+
+    def prepare_decode(self, contexts: list[list[int]]) -> None:
+        self._parents = [self._cid("ctx") for _ in contexts]
+        futs = [self.engine.fill(toks, cid) for toks, cid in zip(contexts, self._parents)]
+        for f in futs:
+            f.result()
+
+    def decode_seconds(self, batch: int, tokens: int) -> float:
+        from parrot.common.sampling import SamplingParams
+
+        sp = SamplingParams(max_tokens=tokens, ignore_eos=True)
+        # each child forks its own parent (no prefix shared between sequences), so the parents stay at C tokens
+        kids = [self._cid("gen") for _ in range(batch)]
+        t0 = time.perf_counter()
+        futs = [self.engine.generate(sp, kid, parent) for kid, parent in zip(kids, self._parents)]
+        results = [f.result() for f in futs]
+        secs = time.perf_counter() - t0
+        for kid in kids:
+            self.engine.free_context(kid).result()
+        short = [len(r.token_ids) for r in results if len(r.token_ids) != tokens]
+        if short:
+            raise RuntimeError(f"ours generated {short} tokens instead of {tokens} (ignore_eos)")
+        return secs
+
+    def decode_weight_bytes(self) -> int:
+        """Per FastLinear: its quantized weight + scales when it has one (a one-row decode step runs the
+        weight-only kernel), else its dense weight."""
+        from parrot.engine.layers.linear import FastLinear
+
+        total = 0
+        for mod in self.engine.runner.model.modules():
+            if isinstance(mod, FastLinear):
+                q = getattr(mod, "qweight", None)
+                total += mod.weight.nbytes if q is None else q.nbytes + mod.scales.nbytes
+        return total
+
+    def info(self) -> dict:
+        import torch
+
+        s = self.settings
+        return {"dtype": s.dtype, "weight_quant": s.weight_quant,
+                "resolved_weight_quant": getattr(s, "resolved_weight_quant", s.weight_quant), "threads": s.num_threads,
+                "max_num_seqs": s.max_num_seqs, "max_batch_tokens": s.max_batch_tokens,
+                "kv_cache_tokens": s.kv_cache_tokens, "torch": torch.__version__,
+                "preemptions": self.engine.status().num_preempted_total}
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+# ---- workers (run in a subprocess each) ---------------------------------------------------------------------
+def _rss_mib() -> float:
+    with open("/proc/self/status", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _max_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _make_runner(args, proto: Protocol) -> Runner:
+    from parrot.bench import peers
+
+    kind, _, variant = args.worker.partition(":")
+    if kind == "ours":
+        return OursRunner(args.model, dtype=args.dtype, weight_quant=args.weight_quant, threads=args.threads,
+                          proto=proto)
+    if kind == "hf":
+        return peers.HFRunner(args.model, variant, args.threads, hf_dir=args.hf_dir)
+    if kind == "llamacpp":
+        seq_ctx = -(-max(proto.prefill_tokens, proto.context_tokens + proto.decode_tokens + 1) // 256) * 256
+        return peers.LlamaCppRunner(args.model, args.threads, max(proto.batches), seq_ctx,
+                                    n_batch=max(512, proto.prefill_tokens), buffers=args.llama_buffers)
+    raise ValueError(f"unknown worker {args.worker!r}")
+
+
+def run_worker(args) -> dict:
+    """Body of ``--worker``: measure one system (or the machine) and return its JSON-able result."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.worker == "machine":
+        from parrot.bench.machine import measure_peak
+
+        n, mib, reps = (1536, 512, 3) if args.quick else (2048, 1024, 5)
+        peak = measure_peak(args.threads, matmul_n=n, mem_mib=mib, repeats=reps)
+        return {"system": "machine", "ok": True, **peak.to_dict()}
+    kind, _, variant = args.worker.partition(":")
+    # import each system's libraries before the "after_import" RSS sample, so it is the same baseline for all
+    if kind in ("hf", "hfconvert"):
+        import transformers
+
+        transformers.utils.logging.set_verbosity_error()
+    elif kind == "ours":
+        import parrot.engine.builder  # noqa: F401  (torch + the engine)
+    elif kind in ("llamacpp", "quantize"):
+        import llama_cpp  # noqa: F401
+    if kind in ("quantize", "hfconvert"):  # one-time preparation of a peer's model file, in its own process
+        from parrot.bench.peers import hf_convert, llama_quantize
+
+        if kind == "quantize":
+            llama_quantize(args.model, args.prep_out, variant, args.threads)
+        else:
+            hf_convert(args.model, variant, args.prep_out)
+        return {"system": args.worker, "ok": True, "path": args.prep_out}
+    from parrot.bench.peers import measure
+    from parrot.engine.config import read_model_config
+
+    proto = _protocol(args)
+    vocab = read_model_config(args.model).vocab_size
+    t0 = time.perf_counter()
+    rss_import = _rss_mib()
+    runner = _make_runner(args, proto)
+    rss_loaded = _rss_mib()
+    log.info("%s loaded in %.1f s (RSS %.0f MiB)", args.worker, time.perf_counter() - t0, rss_loaded)
+    try:
+        res = measure(runner, proto, vocab, lambda m: log.info("%s: %s", args.worker, m))
+        out = {"system": args.worker, "ok": True, **res, "weight_bytes_per_token": runner.decode_weight_bytes(),
+               "info": runner.info()}
+    finally:
+        runner.close()
+    out["rss_mib"] = {"after_import": rss_import, "after_load": rss_loaded, "max": _max_rss_mib()}
+    out["wall_s"] = time.perf_counter() - t0
+    return out
+
+
+def _protocol(args) -> Protocol:
+    return Protocol(prefill_tokens=args.prefill_tokens, context_tokens=args.context_tokens,
+                    decode_tokens=args.decode_tokens, batches=tuple(args.batches),
+                    prefill_repeats=2 if args.quick else args.prefill_repeats,
+                    decode_repeats=1 if args.quick else args.decode_repeats, budget_s=args.budget)
+
+
+# ---- driver ---------------------------------------------------------------------------------------------------
+def _worker_cmd(args, worker: str, **extra: str) -> list[str]:
+    cmd = [sys.executable, "-m", "parrot.bench.engine", "--worker", worker, "--model", args.model,
+           "--threads", str(args.threads), "--dtype", args.dtype, "--weight-quant", args.weight_quant,
+           "--prefill-tokens", str(args.prefill_tokens), "--context-tokens", str(args.context_tokens),
+           "--decode-tokens", str(args.decode_tokens), "--prefill-repeats", str(args.prefill_repeats),
+           "--decode-repeats", str(args.decode_repeats), "--budget", str(args.budget),
+           "--batches", ",".join(map(str, args.batches)), "--llama-buffers", args.llama_buffers]
+    if args.quick:
+        cmd.append("--quick")
+    for k, v in extra.items():
+        cmd += [f"--{k.replace('_', '-')}", v]
+    return cmd
+
+
+def run_subprocess(cmd: list[str], timeout: float, threads: int) -> tuple[dict | None, float, str]:
+    """Run one worker (stderr passes through); returns (its JSON result or None, its max RSS in MiB from
+    ``os.wait4``, error text). A worker past ``timeout`` seconds is killed."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TQDM_DISABLE="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, env=env, text=True)
+    chunks: list[str] = []
+    reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    timed_out = reader.is_alive()
+    if timed_out:
+        proc.kill()
+        reader.join(10)
+    _, status, usage = os.wait4(proc.pid, 0)  # per-child rusage (RUSAGE_CHILDREN would be a running max)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    max_rss = usage.ru_maxrss / 1024
+    if timed_out:
+        return None, max_rss, f"timed out after {timeout:.0f} s"
+    for line in reversed("".join(chunks).splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line), max_rss, ""
+            except json.JSONDecodeError:
+                continue
+    return None, max_rss, f"exit code {proc.returncode}, no result line"
+
+
+def _ours_quant(args) -> str:
+    from parrot.engine.settings import EngineSettings
+
+    s = EngineSettings(dtype=args.dtype, weight_quant=args.weight_quant)
+    return getattr(s, "resolved_weight_quant", s.weight_quant)
+
+
+def _label(worker: str, args, file_type: str) -> str:
+    kind, _, variant = worker.partition(":")
+    if kind == "ours":
+        return f"ours {args.dtype}/{_ours_quant(args)}"
+    if kind == "hf":
+        return f"HF {'fp32' if variant == 'float32' else 'bf16'}"
+    return f"llama.cpp {file_type if variant == 'file' else variant}"
+
+
+def plan_workers(args, file_type: str) -> list[str]:
+    """Worker names in run order; llama.cpp variants that duplicate the file's own type are dropped."""
+    from parrot.bench.peers import llama_cpp_available
+
+    workers: list[str] = []
+    for system in args.systems:
+        if system == "ours":
+            workers.append("ours")
+        elif system == "hf":
+            workers += [f"hf:{d}" for d in args.hf_dtypes]
+        elif system == "llamacpp":
+            if not llama_cpp_available():
+                print("llama.cpp: not installed (run /work/shared/tools/install-llamacpp.sh)", flush=True)
+                continue
+            variants = [v for v in args.llama_variants if v == "file" or v != file_type]
+            workers += [f"llamacpp:{v}" for v in dict.fromkeys(variants)]
+        else:
+            raise SystemExit(f"unknown system {system!r}; choose from ours, hf, llamacpp")
+    return workers
+
+
+def _quant_path(args, quant: str) -> str:
+    stem = os.path.basename(args.model).removesuffix(".gguf")
+    return os.path.join(args.quant_dir, f"{stem}.requant-{quant}.gguf")
+
+
+def _hf_cache_path(args, dtype: str) -> str:
+    stem = os.path.basename(args.model).removesuffix(".gguf")
+    return os.path.join(args.quant_dir, f"{stem}.hf-{dtype}")
+
+
+def _prepare(args, worker: str) -> tuple[str | None, dict]:
+    """Model path and extra worker flags for ``worker``, making its one-time files first (a requantized GGUF
+    for llama.cpp, a safetensors copy for HF). Returns (None, {"error": ...}) when a needed file cannot be made."""
+    kind, _, variant = worker.partition(":")
+    if kind == "llamacpp" and variant != "file":
+        path = _quant_path(args, variant)
+        if not os.path.isfile(path):
+            log.info("requantizing %s -> %s (once) ...", os.path.basename(args.model), path)
+            res, _, err = run_subprocess(_worker_cmd(args, f"quantize:{variant}", prep_out=path),
+                                         args.worker_timeout, args.threads)
+            if res is None or not os.path.isfile(path):
+                return None, {"error": f"quantize: {err or res.get('error')}"}
+        return path, {}
+    if kind == "hf":
+        path = _hf_cache_path(args, variant)
+        if not os.path.isdir(path):
+            log.info("saving transformers' %s load of the GGUF as safetensors -> %s (once) ...", variant, path)
+            res, _, err = run_subprocess(_worker_cmd(args, f"hfconvert:{variant}", prep_out=path),
+                                         args.worker_timeout, args.threads)
+            if res is None or not os.path.isdir(path):
+                log.warning("HF conversion failed (%s); the worker loads the GGUF itself", err or res.get("error"))
+                return args.model, {}
+        return args.model, {"hf_dir": path}
+    return args.model, {}
+
+
+def run_all(args) -> dict:
+    """Machine peak, then each system in its own subprocess; returns the full JSON-able result."""
+    from parrot.bench.machine import describe_machine
+    from parrot.bench.peers import gguf_file_type
+
+    file_type = gguf_file_type(args.model)
+    workers = plan_workers(args, file_type)
+    t_start = time.perf_counter()
+    log.info("machine peak (%d threads) ...", args.threads)
+    machine, _, err = run_subprocess(_worker_cmd(args, "machine"), args.worker_timeout, args.threads)
+    if machine is None:
+        log.error("machine peak failed: %s", err)
+    systems: dict[str, dict] = {}
+    for worker in workers:
+        model, extra = _prepare(args, worker)
+        if model is None:
+            systems[worker] = {"system": worker, "ok": False, "error": extra["error"],
+                               "label": _label(worker, args, file_type)}
+            continue
+        log.info("running %s ...", worker)
+        cmd = _worker_cmd(args, worker, **extra)
+        cmd[cmd.index("--model") + 1] = model
+        res, max_rss, err = run_subprocess(cmd, args.worker_timeout, args.threads)
+        if worker.startswith("llamacpp") and args.llama_buffers == "repack" and not (res or {}).get("ok"):
+            log.warning("%s failed with repacked weights (%s); retrying with plain buffers", worker,
+                        err or res.get("error"))
+            cmd[cmd.index("--llama-buffers") + 1] = "plain"
+            res, max_rss, err = run_subprocess(cmd, args.worker_timeout, args.threads)
+        res = res or {"system": worker, "ok": False, "error": err}
+        res["label"] = _label(worker, args, file_type)
+        res["max_rss_mib"] = max_rss
+        systems[worker] = res
+        if not res.get("ok"):
+            log.error("%s failed: %s", worker, res.get("error"))
+    conditions = {**describe_machine(), "threads": args.threads, "model": os.path.basename(args.model),
+                  "model_file_type": file_type,
+                  "ours": f"dtype={args.dtype} weight_quant={args.weight_quant} (-> {_ours_quant(args)})",
+                  "quick": args.quick, "total_s": round(time.perf_counter() - t_start, 1)}
+    return {"conditions": conditions, "protocol": asdict(_protocol(args)), "machine": machine, "systems": systems}
+
+
+# ---- summary: ratios, share of peak, tables, files ---------------------------------------------------------------
+def matmul_params(cfg) -> int:
+    """Weights multiplied per token: q/k/v/o + gate/up/down in every layer, plus the output head."""
+    h = cfg.hidden_size
+    per_layer = h * cfg.q_size + 2 * h * cfg.kv_size + cfg.q_size * h + 3 * h * cfg.intermediate_size
+    return cfg.num_layers * per_layer + cfg.vocab_size * h
+
+
+def flops_per_token(cfg, attended: float) -> float:
+    """Useful FLOPs of one decoded token attending ``attended`` tokens (see the module docstring)."""
+    return 2.0 * matmul_params(cfg) + 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * attended
+
+
+def _rate(res: dict, batch: int | None, stat: str = "best") -> float | None:
+    if not res.get("ok"):
+        return None
+    if batch is None:
+        return res["prefill_tok_s"][stat]
+    d = res["decode_tok_s"].get(str(batch))
+    return None if d is None else d[stat]
+
+
+def summarize(data: dict, cfg) -> None:
+    """Add ``ratios`` (ours / each peer, per metric) and ``share_of_peak`` (per system) to ``data``."""
+    from parrot.bench.report import ratio
+
+    proto, systems, machine = data["protocol"], data["systems"], data["machine"] or {}
+    metrics = {"prefill": None, **{f"decode_b{n}": n for n in proto["batches"]}}
+    ours = systems.get("ours", {})
+    peers = {w: r for w, r in systems.items() if w != "ours"}
+    ratios: dict[str, dict] = {}
+    for w, r in peers.items():
+        ratios[r["label"]] = {m: ratio(_rate(ours, b), _rate(r, b)) for m, b in metrics.items()}
+    llamas = {w: r for w, r in peers.items() if w.startswith("llamacpp") and r.get("ok")}
+    if llamas:
+        best: dict[str, dict] = {}
+        for m, b in metrics.items():
+            w = max(llamas, key=lambda k: _rate(llamas[k], b) or 0.0)
+            best[m] = {"ratio": ratio(_rate(ours, b), _rate(llamas[w], b)), "peer": llamas[w]["label"]}
+        ratios["llama.cpp best quant"] = best
+    data["ratios"] = ratios
+    big, small = max(proto["batches"]), min(proto["batches"])
+    fpt = flops_per_token(cfg, proto["context_tokens"] + proto["decode_tokens"] / 2)
+    share = {}
+    for w, r in systems.items():
+        tb, ts = _rate(r, big), _rate(r, small)
+        gflops = None if tb is None else fpt * tb / 1e9
+        wbytes = r.get("weight_bytes_per_token")
+        gbs = None if ts is None or wbytes is None else wbytes * ts / 1e9
+        share[r["label"]] = {
+            f"b{big}_gflops": gflops, "pct_bf16_peak": ratio(gflops, machine.get("bf16_matmul_gflops")),
+            "weight_mb_per_token": None if wbytes is None else wbytes / 1e6, f"b{small}_gbs": gbs,
+            "pct_mem_bw": ratio(gbs, machine.get("mem_read_gbs")),
+        }
+    data["share_of_peak"] = share
+    data["formulas"] = {
+        "flops_per_token": f"2*{matmul_params(cfg):,} (matmul params incl. head) + 4*layers*heads*head_dim*L, "
+                           f"L=context+K/2 -> {fpt / 1e6:.1f} MFLOP",
+        "bandwidth": f"weight bytes streamed per decode step (system's own format) * batch-{small} tok/s",
+        "decode": "tok/s = N*K / wall time for N sequences to generate K tokens each (first from the fill's logits, "
+                  "then K-1 steps); ours fills N distinct contexts, peers copy one prefilled context's KV N times",
+    }
+
+
+def render(data: dict, cfg, out_dir: str) -> str:
+    """Tables as text; also writes ``engine.json`` and ``engine.png`` into ``out_dir``."""
+    from parrot.bench.report import fmt_num, fmt_ratio, format_conditions, format_table, save_bar_panels, save_json
+
+    summarize(data, cfg)
+    proto, systems = data["protocol"], data["systems"]
+    batches = proto["batches"]
+    def cell(r: dict, b: int | None) -> str:
+        return "-" if _rate(r, b) is None else f"{fmt_num(_rate(r, b))} ({fmt_num(_rate(r, b, 'median'))})"
+
+    heads = ["system", f"prefill {proto['prefill_tokens']}"] + [f"decode b{n}" for n in batches] + ["max RSS MiB"]
+    rows = [[r["label"], cell(r, None)] + [cell(r, n) for n in batches]
+            + [r.get("max_rss_mib") if r.get("ok") else f"failed: {r.get('error', '')[:60]}"]
+            for r in systems.values()]
+    infos = {r["label"]: " ".join(f"{k}={v}" for k, v in r.get("info", {}).items()) for r in systems.values()}
+    parts = ["== Engine benchmark ==", format_conditions(data["conditions"]),
+             "protocol: " + " ".join(f"{k}={v}" for k, v in proto.items()), format_conditions(infos), "",
+             format_table(heads, rows, title="Throughput, tok/s: best (median)"), ""]
+    rrows = []
+    for peer, m in data["ratios"].items():
+        cells = []
+        for key in ["prefill"] + [f"decode_b{n}" for n in batches]:
+            v = m.get(key)
+            cells.append(f"{fmt_ratio(v['ratio'])} ({v['peer']})" if isinstance(v, dict) else fmt_ratio(v))
+        rrows.append([f"ours / {peer}"] + cells)
+    parts += [format_table(["ratio"] + heads[1:-1], rrows, title="Ratios (best vs best)"), ""]
+    mach = data["machine"] or {}
+    big, small = max(batches), min(batches)
+    parts.append(f"machine peak ({mach.get('threads', '?')} threads): "
+                 f"bf16 matmul {fmt_num(mach.get('bf16_matmul_gflops'))} GFLOP/s, "
+                 f"fp32 matmul {fmt_num(mach.get('fp32_matmul_gflops'))} GFLOP/s, "
+                 f"memory read {fmt_num(mach.get('mem_read_gbs'))} GB/s")
+    srows = [[label, s[f"b{big}_gflops"], fmt_pct(s["pct_bf16_peak"]), s["weight_mb_per_token"], s[f"b{small}_gbs"],
+              fmt_pct(s["pct_mem_bw"])] for label, s in data["share_of_peak"].items()]
+    parts += [format_table(["system", f"b{big} GFLOP/s", "% bf16 peak", "weights MB/tok", f"b{small} GB/s", "% mem BW"],
+                           srows, title="Share of machine peak"),
+              *(f"  {k}: {v}" for k, v in data["formulas"].items()), ""]
+    panels = {f"prefill {proto['prefill_tokens']}": {r["label"]: _rate(r, None) for r in systems.values()}}
+    for n in batches:
+        panels[f"decode batch {n}"] = {r["label"]: _rate(r, n) for r in systems.values()}
+    jpath = save_json(os.path.join(out_dir, "engine.json"), data)
+    ppath = save_bar_panels(os.path.join(out_dir, "engine.png"), panels, ylabel="tok/s",
+                            title=f"{data['conditions']['model']} on {data['conditions']['cpu']}, "
+                                  f"{data['conditions']['threads']} threads ({data['conditions']['date']})")
+    parts.append(f"saved {jpath} and {ppath}")
+    return "\n".join(parts)
+
+
+def fmt_pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m parrot.bench.engine", description=__doc__.split("\n")[0])
+    csv = lambda s: [x for x in s.split(",") if x]  # noqa: E731
+    p.add_argument("--systems", type=csv, default=["ours", "hf", "llamacpp"], help="ours,hf,llamacpp")
+    p.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="ours' compute dtype")
+    p.add_argument("--weight-quant", default=None, help="ours' decode weights (EngineSettings.weight_quant; "
+                                                       "default: the engine's default)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--quick", action="store_true",
+                   help="2 prefill / 1 decode repeats, smaller machine-peak sizes")
+    p.add_argument("--out", default="bench_out/engine", help="dir for engine.json / engine.png")
+    p.add_argument("--quant-dir", default="bench_out/models",
+                   help="cache of peer model files: requantized GGUFs, HF safetensors copies")
+    p.add_argument("--hf-dtypes", type=csv, default=list(DEFAULT_HF_DTYPES))
+    p.add_argument("--llama-variants", type=csv, default=list(DEFAULT_LLAMA_VARIANTS),
+                   help="'file' (the GGUF as given) and/or Q4_0,Q4_1,Q8_0 (requantized once)")
+    p.add_argument("--prefill-tokens", type=int, default=512)
+    p.add_argument("--context-tokens", type=int, default=256)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--batches", type=lambda s: [int(x) for x in csv(s)], default=[1, 16, 64])
+    p.add_argument("--prefill-repeats", type=int, default=5, help="timed prefills (after one warm-up)")
+    p.add_argument("--decode-repeats", type=int, default=2, help="timed decode runs per batch size")
+    p.add_argument("--budget", type=float, default=20.0,
+                   help="seconds of timed runs after which a measurement stops repeating (>= 1 run)")
+    p.add_argument("--worker-timeout", type=float, default=600.0, help="a system's subprocess is killed after this")
+    p.add_argument("--llama-buffers", default="repack", choices=["repack", "plain"],
+                   help="llama.cpp weight buffers: repacked kernels where the format has one, else plain")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--prep-out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--hf-dir", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    from pydantic import ValidationError
+
+    from parrot.bench.peers import LLAMA_QUANTS
+    from parrot.engine.settings import EngineSettings
+
+    if args.weight_quant is None:
+        args.weight_quant = EngineSettings().weight_quant
+    try:
+        EngineSettings(dtype=args.dtype, weight_quant=args.weight_quant)
+    except ValidationError as e:
+        p.error(f"--dtype/--weight-quant: {e.errors()[0]['msg']}")
+
+    if min(args.batches, default=0) < 1 or args.decode_tokens < 2 or args.context_tokens < 1 or args.threads < 1:
+        p.error("--batches must be >= 1, --decode-tokens >= 2, --context-tokens >= 1, --threads >= 1")
+    if args.prefill_tokens < 1 or args.prefill_repeats < 1 or args.decode_repeats < 1:
+        p.error("--prefill-tokens, --prefill-repeats and --decode-repeats must be >= 1")
+    if set(args.hf_dtypes) - set(DEFAULT_HF_DTYPES):
+        p.error(f"--hf-dtypes must be among {DEFAULT_HF_DTYPES}")
+    if set(args.llama_variants) - {"file", *LLAMA_QUANTS}:
+        p.error(f"--llama-variants must be among file,{','.join(LLAMA_QUANTS)}")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    from parrot.engine.model_files import resolve_model_path
+
+    args.model = os.path.abspath(resolve_model_path(args.model))
+    if args.worker:
+        try:
+            result = run_worker(args)
+        except Exception as e:  # reported to the driver as a failed system, which the table shows
+            log.exception("worker %s failed", args.worker)
+            result = {"system": args.worker, "ok": False, "error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(result), flush=True)
+        return 0 if result.get("ok") else 1
+    from parrot.engine.config import read_model_config
+
+    data = run_all(args)
+    print(render(data, read_model_config(args.model), args.out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
