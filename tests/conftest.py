@@ -1,0 +1,29 @@
+"""Shared fixtures. Kept torch-free so tests of the torch-free core do not pay the torch import."""
+
+from __future__ import annotations
+
+import pytest
+
+from parrot.common.errors import ModelNotFound
+from parrot.engine.config import ModelConfig
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> str:
+    """Path of the default SmolLM2 GGUF; skips the test (with the install hint) if the wheel is missing."""
+    from parrot.engine.model_files import default_model_path as find_default
+
+    try:
+        return find_default()
+    except ModelNotFound as exc:
+        pytest.skip(f"default model missing: {exc}")
+
+
+@pytest.fixture
+def tiny_config() -> ModelConfig:
+    """A tiny LLaMA (2 layers, GQA 4:2, untied head) for shape and round-trip tests with random weights."""
+    return ModelConfig(
+        name="tiny-llama", arch="llama", vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+        max_position_embeddings=128, tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,),
+    )
