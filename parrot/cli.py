@@ -127,6 +127,18 @@ def _cmd_run(ns: argparse.Namespace) -> None:
     runpy.run_path(ns.script, run_name="__main__")
 
 
+def _cmd_profile(ns: argparse.Namespace) -> None:
+    from parrot.engine.settings import EngineSettings
+    from parrot.sim.cost_model import MODELS_DIR, load_model
+    from parrot.sim.profile import QUICK_PLAN, ProfilePlan, format_fit, profile_engine
+
+    model, samples = profile_engine(_settings_from(EngineSettings, ns), QUICK_PLAN if ns.quick else ProfilePlan())
+    out = ns.out or str(MODELS_DIR / "this-machine.json")
+    model.save(out)
+    print(format_fit(model, samples))
+    print(f"fit: {model.source['fit_relative_error']}; saved {out} ({load_model(out).name})")
+
+
 def main(argv: list[str] | None = None) -> None:
     from parrot.api.settings import ServerSettings
     from parrot.engine.server import EngineServerSettings
@@ -152,6 +164,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.add_argument("--url", default=None, help="server URL (default: $PARROT_URL or http://127.0.0.1:8000)")
     p.set_defaults(fn=_cmd_run)
+
+    p = sub.add_parser("profile", help="measure the builtin engine and fit the simulator's cost model "
+                       "(parrot/sim/cost_models/this-machine.json)")
+    p.add_argument("--out", default=None, help="output JSON (default: parrot/sim/cost_models/this-machine.json)")
+    p.add_argument("--quick", action="store_true", help="fewer samples (a smoke test, not a usable fit)")
+    _add_settings_flags(p, EngineSettings)
+    p.set_defaults(fn=_cmd_profile)
 
     ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,223 @@
+"""A simulated cluster: the real Manager (sessions, DAG, deduction, prefix sharing, dispatcher + policy) and the
+real request-centric completion path over N simulated engines, all on the virtual loop.
+
+Apps are driven through the Manager API exactly as the HTTP routes do (create_session, create_variable,
+submit(SubmitSpec), get_variable); baseline calls go through :class:`parrot.api.completions.CompletionService`
+(what ``POST /v1/completions`` runs). The emulated Internet round trip of the paper (§8.1, 200-300 ms per
+call) is ``asyncio.sleep`` on the virtual clock: half before the request reaches the service, half after the
+answer leaves it, one per baseline call and one per Parrot app (as in :mod:`parrot.bench.apps`).
+
+Build a :class:`SimCluster` inside a running :class:`~parrot.sim.vloop.VirtualEventLoop`
+(:func:`parrot.sim.vloop.run_virtual`); everything is deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass
+
+from parrot.api.completions import CompletionService
+from parrot.api.schemas import CompletionRequest
+from parrot.bench.apps import OUT, App, Const, FromStep
+from parrot.common.template import parse_template, render_template
+from parrot.manager.dispatcher import Policy
+from parrot.manager.engine_registry import EngineRegistry
+from parrot.manager.graph import VarStatus
+from parrot.manager.manager import Manager, ManagerConfig
+from parrot.manager.session import Session
+from parrot.manager.submit import PlaceholderSpec, SubmitSpec
+from parrot.sim.cost_model import CostModel, load_model
+from parrot.sim.engine import SimEngine
+from parrot.sim.tokenizer import OutputLengths
+
+
+GET_POLL_S = 3600.0  # one long-poll of get_variable (capped by ManagerConfig.max_long_poll_s)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    engines: int = 1
+    cost_model: str = "llama13b-a100"  # a name in parrot/sim/cost_models or a path
+    policy: str = "parrot"  # a manager policy name (parrot, fifo-latency, fifo-throughput, least-loaded)
+    latency_cap_tokens: int = 4096  # paper §8.2: the baseline's latency capacity on one engine
+    throughput_cap_tokens: int | None = None  # None: the engine's KV capacity
+    prefix_sharing: bool = True  # manager-level prefix contexts (paper §5.3)
+    engine_prefix_cache: bool = True  # the engine's block-hash prefix cache
+    latency_ms: tuple[float, float] = (200.0, 300.0)
+    output_mean: float = 128.0  # mean length of generations that may stop early
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.engines < 1:
+            raise ValueError(f"engines must be >= 1, got {self.engines}")
+        low, high = self.latency_ms
+        if not 0 <= low <= high:
+            raise ValueError(f"latency_ms must be (low, high) with 0 <= low <= high, got {self.latency_ms}")
+
+
+@dataclass(frozen=True)
+class CallResult:
+    latency_s: float
+    tokens: int
+    text: str
+
+
+class SimCluster:
+    def __init__(self, config: ClusterConfig, cost: CostModel | None = None, *, policy: Policy | None = None,
+                 shared_prefix_attention: bool = True) -> None:
+        """``policy`` overrides ``config.policy`` with a policy object (e.g. one with prefix affinity off)."""
+        self.config = config
+        self.cost = cost or load_model(config.cost_model)
+        loop = asyncio.get_running_loop()
+        self.clock = loop.time
+        self.engines = [SimEngine(f"sim{i}", self.cost, seed=config.seed, clock=self.clock,
+                                  output_lengths=OutputLengths(config.output_mean),
+                                  enable_prefix_cache=config.engine_prefix_cache,
+                                  shared_prefix_attention=shared_prefix_attention) for i in range(config.engines)]
+        mconf = ManagerConfig(policy=config.policy, latency_cap_tokens=config.latency_cap_tokens,
+                              throughput_cap_tokens=config.throughput_cap_tokens or self.cost.kv_cache_tokens,
+                              prefix_sharing=config.prefix_sharing, heartbeat_interval_s=5.0,
+                              max_sessions=1_000_000, session_ttl_s=86_400.0, max_long_poll_s=GET_POLL_S)
+        self.registry = EngineRegistry(self.engines, clock=self.clock)
+        self.manager = Manager(self.registry, policy=policy, config=mconf, clock=self.clock)
+        # The Manager passes its clock to the session store and prefix sharing only; the dispatcher (queue
+        # order), the executor (first-token times) and each session's graph (DAG timestamps) default to
+        # time.time. Point them at the virtual clock so every timestamp is simulated time.
+        self.manager.dispatcher._clock = self.clock
+        self.manager.executor._clock = self.clock
+        self.completions = CompletionService(self.manager.dispatcher)
+        self._rng = random.Random(f"rtt:{config.seed}")
+        self.model_name = self.engines[0].model_name
+
+    async def start(self) -> None:
+        await self.manager.start()
+
+    async def stop(self) -> None:
+        await self.manager.stop()
+        for e in self.engines:
+            await e.close()
+
+    async def __aenter__(self) -> "SimCluster":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ---- network ----------------------------------------------------------------------------------------------
+    def sample_rtt(self) -> float:
+        low, high = self.config.latency_ms
+        return self._rng.uniform(low, high) / 1000.0
+
+    def create_session(self) -> Session:
+        session = self.manager.create_session()
+        session.graph._clock = self.clock  # see __init__: DAG timestamps in virtual time
+        return session
+
+    # ---- Parrot driver ----------------------------------------------------------------------------------------
+    async def run_parrot_app(self, app: App, criteria: str = "latency", *, rtt: bool = True) -> float:
+        """Declare the app's DAG with pending inputs, get the final output with ``criteria`` (perf deduction
+        labels every step), set the inputs, wait for the final value. Returns virtual end-to-end seconds."""
+        t0 = self.clock()
+        trip = self.sample_rtt() if rtt else 0.0
+        await asyncio.sleep(trip / 2)
+        m = self.manager
+        session = self.create_session()
+        try:
+            inputs: list[tuple[str, str]] = []
+            outputs: dict[str, str] = {}
+            for step in app.steps:
+                holders = []
+                for key, ref in step.inputs:
+                    if isinstance(ref, Const):
+                        var = m.create_variable(session, key)
+                        inputs.append((var.var_id, ref.text))
+                        holders.append(PlaceholderSpec(key, False, var.var_id))
+                    else:
+                        assert isinstance(ref, FromStep)
+                        holders.append(PlaceholderSpec(key, False, outputs[ref.step]))
+                holders.append(PlaceholderSpec(OUT, True, None, {"max_tokens": app.output_len, "ignore_eos": True,
+                                                                 "temperature": 0.0, "stop": []}))
+                req = m.submit(session, SubmitSpec(step.template, holders, name=f"{app.name}_{step.name}"))
+                outputs[step.name] = req.outputs[0]
+            final = outputs[app.final]
+            await m.get_variable(session, final, criteria=criteria, timeout_s=0.0)
+            for var_id, text in inputs:
+                m.set_variable(session, var_id, text)
+            await self.wait_value(session, final)
+        finally:
+            await m.delete_session(session)
+        await asyncio.sleep(trip / 2)
+        return self.clock() - t0
+
+    async def run_parrot_call(self, template: str, inputs: dict[str, str], max_tokens: int, *,
+                              criteria: str = "latency", rtt: bool = True, output: str = OUT) -> CallResult:
+        """One semantic call in its own session (inputs given as values), fetched with ``criteria``."""
+        t0 = self.clock()
+        trip = self.sample_rtt() if rtt else 0.0
+        await asyncio.sleep(trip / 2)
+        m = self.manager
+        session = self.create_session()
+        try:
+            holders = [PlaceholderSpec(k, False, m.create_variable(session, k, v).var_id) for k, v in inputs.items()]
+            holders.append(PlaceholderSpec(output, True, None, {"max_tokens": max_tokens, "ignore_eos": True,
+                                                                "temperature": 0.0, "stop": []}))
+            req = m.submit(session, SubmitSpec(template, holders))
+            await m.get_variable(session, req.outputs[0], criteria=criteria, timeout_s=0.0)
+            text = await self.wait_value(session, req.outputs[0])
+        finally:
+            await m.delete_session(session)
+        await asyncio.sleep(trip / 2)
+        return CallResult(self.clock() - t0, max_tokens, text)
+
+    async def wait_value(self, session: Session, var_id: str) -> str:
+        while True:
+            view = await self.manager.get_variable(session, var_id, timeout_s=GET_POLL_S)
+            if view.status is VarStatus.READY:
+                assert view.value is not None
+                return view.value
+
+    # ---- request-centric baseline driver ----------------------------------------------------------------------
+    async def complete(self, prompt: str, max_tokens: int, *, ignore_eos: bool = True,
+                       rtt: bool = True) -> "CallResult":
+        """One OpenAI-style completion (the LangChain-style client's call), round trip included."""
+        t0 = self.clock()
+        trip = self.sample_rtt() if rtt else 0.0
+        await asyncio.sleep(trip / 2)
+        plan = await self.completions.plan_completion(CompletionRequest(
+            model=self.model_name, prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos))
+        body = await self.completions.complete(plan)
+        await asyncio.sleep(trip / 2)
+        return CallResult(self.clock() - t0, body["usage"]["completion_tokens"], body["choices"][0]["text"])
+
+    async def run_baseline_app(self, app: App) -> float:
+        """Render and call step by step; a step starts once its inputs are back on the client (map steps run
+        concurrently, as LangChain's map-reduce does)."""
+        t0 = self.clock()
+        tasks: dict[str, asyncio.Future[str]] = {}
+
+        async def run_step(step) -> str:
+            values = {}
+            for key, ref in step.inputs:
+                values[key] = ref.text if isinstance(ref, Const) else await tasks[ref.step]
+            prompt = render_template(parse_template(step.template), values, until=OUT)
+            return (await self.complete(prompt, app.output_len)).text
+
+        for step in app.steps:
+            tasks[step.name] = asyncio.ensure_future(run_step(step))
+        await tasks[app.final]
+        return self.clock() - t0
+
+    async def run_app(self, app: App, mode: str, criteria: str = "latency") -> float:
+        """``mode`` "parrot" (Semantic Variables) or "baseline" (request-centric client)."""
+        if mode == "parrot":
+            return await self.run_parrot_app(app, criteria)
+        if mode == "baseline":
+            return await self.run_baseline_app(app)
+        raise ValueError(f"mode must be 'parrot' or 'baseline', got {mode!r}")
+
+    def engine_stats(self) -> dict:
+        return {e.name: {"steps": e.num_steps, "busy_s": round(e.busy_s, 3), "tokens": e.num_tokens_computed,
+                         "preemptions": e.scheduler.num_preemptions, "prefix_hit_blocks": e.pool.num_hit_blocks}
+                for e in self.engines}

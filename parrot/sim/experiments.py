@@ -1,0 +1,316 @@
+"""Paper-scale reproductions on the simulator (real manager + simulated A100/A6000 engines), and its speed and
+validation runs.
+
+    python -m parrot.sim.experiments [map_reduce|multi_chain|gpts|mixed|speed|validate|all] [--quick]
+    python -m parrot.sim.experiments validate --real bench_out/app_bench-*.json
+
+Every run is a fresh cluster on a fresh virtual loop, seeded; the printed ratio is ``baseline / parrot`` (above 1:
+Parrot better) next to the paper's number. Conditions (cost model, caps, workload sizes) are printed with each
+table; the cost models' provenance is in parrot/sim/cost_models/*.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import glob
+import json
+import logging
+import random
+import statistics
+import sys
+import time
+from dataclasses import replace
+
+from parrot.bench.apps import APPS, split_words, load_document
+from parrot.bench.report import format_table
+from parrot.sim.cluster import ClusterConfig, SimCluster
+from parrot.sim.cost_model import load_model
+from parrot.sim.vloop import run_virtual
+from parrot.sim import workloads as W
+
+log = logging.getLogger(__name__)
+
+
+def _run(config: ClusterConfig, body, **kw):
+    """Run ``body(cluster)`` on a fresh cluster on a fresh virtual loop."""
+
+    async def main():
+        async with SimCluster(config, **kw) as cluster:
+            return await body(cluster)
+
+    return run_virtual(main())
+
+
+# ---- Fig. 14: map-reduce summary, 1 engine (A100, LLaMA-13B) -------------------------------------------------------
+def map_reduce(quick: bool = False, seed: int = 0) -> str:
+    doc_tokens = 8192 if quick else 20480
+    configs = [(1024, o) for o in (25, 50, 75, 100)] + [(c, 50) for c in (512, 1536, 2048)]
+    if quick:
+        configs = configs[:2]
+    base = ClusterConfig(engines=1, cost_model="llama13b-a100", latency_cap_tokens=4096, seed=seed)
+    rows = []
+    for chunk, out in configs:
+        n = doc_tokens // chunk
+        app = W.app("map_reduce", n, chunk, out, seed)
+        t_b = _run(replace(base, policy="fifo-latency"), lambda c: c.run_app(app, "baseline"))
+        t_p = _run(replace(base, policy="parrot"), lambda c: c.run_app(app, "parrot"))
+        rows.append([f"chunk {chunk} tok / out {out}", n, t_b, t_p, t_b / t_p])
+    best = max(r[-1] for r in rows)
+    return (format_table(["config", "maps", "baseline s", "parrot s", "ratio"], rows,
+                         title="[Fig. 14] map-reduce summary, 1x A100 LLaMA-13B (sim); baseline = fifo-latency cap "
+                               "4096, "
+                               "1 RTT/call; parrot = app-centric, 1 RTT/app")
+            + f"\n  ours: up to {best:.2f}x   paper: 2.37x")
+
+
+# ---- Fig. 12b: several chain summaries at once, 1 engine (A100, LLaMA-13B) -------------------------------------------
+def multi_chain(quick: bool = False, seed: int = 0) -> str:
+    counts = (4, 8) if quick else (10, 15, 20, 25)
+    chunks, chunk_tokens, out = (4, 512, 25) if quick else (10, 1024, 50)
+    base = ClusterConfig(engines=1, cost_model="llama13b-a100", latency_cap_tokens=4096, seed=seed)
+    rows = []
+    for n_apps in counts:
+        apps = [W.app("chain", chunks, chunk_tokens, out, seed * 1000 + k) for k in range(n_apps)]
+
+        def body(mode):
+            return lambda c: asyncio.gather(*(c.run_app(a, mode) for a in apps))
+
+        tb = _run(replace(base, policy="fifo-latency"), body("baseline"))
+        tp = _run(replace(base, policy="parrot"), body("parrot"))
+        slower = sum(p > b for p, b in zip(tp, tb))
+        mb, mp = statistics.mean(tb), statistics.mean(tp)
+        rows.append([f"{n_apps} apps", mb, mp, mb / mp, slower])
+    return (format_table(["apps", "baseline mean s", "parrot mean s", "ratio", "apps slower under parrot"], rows,
+                         title=f"[Fig. 12b/13] concurrent chain summaries ({chunks} chunks x {chunk_tokens} tok, out "
+                               f"{out}), 1x A100 LLaMA-13B (sim)")
+            + f"\n  ours: {rows[-1][3]:.2f}x at {counts[-1]} apps, {rows[-1][4]} slower   paper: 1.68x at 25 apps, "
+              "0 apps slower")
+
+
+# ---- Fig. 17: GPTs serving, 4 engines (A6000, LLaMA-7B): max sustainable rate -------------------------------------
+GPTS_TARGET_S_PER_TOKEN = 0.040  # the paper's latency target (§8.1: ~40 ms per output token)
+
+
+def _gpts_run(variant: str, rate: float, n_requests: int, seed: int, prompt_tokens: int,
+              cap: int) -> tuple[float, int]:
+    """(mean latency per output token, prefix forks) of ``n_requests`` Poisson arrivals at ``rate``."""
+    cost = load_model("llama7b-a6000")
+    cfg = ClusterConfig(engines=4, cost_model="llama7b-a6000", seed=seed, latency_cap_tokens=cap,
+                        throughput_cap_tokens=cost.kv_cache_tokens)
+    kw: dict = {}
+    if variant == "parrot":
+        cfg = replace(cfg, policy="parrot")
+    elif variant == "parrot-no-affinity":  # sharing + kernel, but request-centric placement (same caps)
+        cfg = replace(cfg, policy="fifo-latency")
+    elif variant == "parrot-paged-attention":
+        cfg = replace(cfg, policy="parrot")
+        kw["shared_prefix_attention"] = False
+    elif variant == "baseline":
+        cfg = replace(cfg, policy="fifo-latency", prefix_sharing=False, engine_prefix_cache=False)
+        kw["shared_prefix_attention"] = False
+    else:
+        raise ValueError(f"unknown GPTs variant {variant!r}")
+    apps = W.gpts_apps(4, prompt_tokens, seed)
+    rng = random.Random(f"gpts-load:{seed}")
+    arrivals, t = [], 0.0
+    for i in range(n_requests):
+        t += rng.expovariate(rate)
+        arrivals.append((t, rng.randrange(len(apps)), W.synth_text(rng.randint(30, 120), rng), rng.randint(180, 800)))
+
+    async def body(c: SimCluster):
+        loop = asyncio.get_running_loop()
+
+        async def one(at, k, query, out):
+            await asyncio.sleep(at - loop.time())
+            if variant == "baseline":
+                prompt = apps[k].system_prompt + "\nUser: " + query + "\nAssistant:"
+                r = await c.complete(prompt, out)
+            else:
+                r = await c.run_parrot_call(apps[k].template, {"query": query}, out, output="answer")
+            return r.latency_s / out
+
+        lat = statistics.mean(await asyncio.gather(*(one(*a) for a in arrivals)))
+        return lat, c.manager.prefix_stats().forks
+
+    return _run(cfg, body, **kw)
+
+
+def gpts(quick: bool = False, seed: int = 0) -> str:
+    variants = ("parrot", "parrot-no-affinity", "parrot-paged-attention", "baseline")
+    n = 60 if quick else 200
+    prompt_tokens = 3000
+    rates = [0.25 * 1.5 ** i for i in range(12 if quick else 14)]
+    cost = load_model("llama7b-a6000")
+    # latency capacity: running tokens at which a decode step of ~3.5k-token sequences takes the 40 ms target;
+    # the second setting lets latency work fill the KV pool (no latency cap)
+    caps = {"40ms": cost.tokens_at_tpot(GPTS_TARGET_S_PER_TOKEN, prompt_tokens + 500), "kv": cost.kv_cache_tokens}
+    rows, best = [], {}
+    for cap_name, cap in caps.items():
+        for v in variants:
+            sustained, curve = None, []
+            for r in rates:
+                lat, forks = _gpts_run(v, r, n, seed, prompt_tokens, cap)
+                curve.append(f"{r:.2f}:{lat * 1e3:.0f}ms/{forks}f")
+                if lat > GPTS_TARGET_S_PER_TOKEN:
+                    break
+                sustained = r
+            best[cap_name, v] = sustained
+            rows.append([f"{v} (cap {cap_name} = {cap})", sustained, " ".join(curve)])
+    text = format_table(["variant (latency cap)", "max rate req/s", "rate:latency per output token/prefix forks"],
+                        rows, title=f"[Fig. 17] 4 GPTs apps (system prompt ~{prompt_tokens} tok, query 30-120, "
+                                    f"output 180-800), 4x A6000 LLaMA-7B (sim), {n} Poisson requests per rate; "
+                                    f"sustainable = mean <= {GPTS_TARGET_S_PER_TOKEN * 1e3:.0f} ms/token; baseline = "
+                                    "fifo-latency, no sharing, no prefix cache, no shared-prefix kernel")
+
+    def r(c, a, b):
+        return f"{best[c, a] / best[c, b]:.1f}x" if best.get((c, a)) and best.get((c, b)) else "-"
+
+    return text + "".join(
+        f"\n  ours (cap {c}): parrot vs baseline {r(c, 'parrot', 'baseline')} (paper 12x); no-affinity vs baseline "
+        f"{r(c, 'parrot-no-affinity', 'baseline')} (paper 3x); parrot vs paged-attention "
+        f"{r(c, 'parrot', 'parrot-paged-attention')} (paper 2.4x)" for c in caps)
+
+
+# ---- Fig. 19: chat + map-reduce mixed, 4 engines (A6000, LLaMA-7B) ------------------------------------------------
+def mixed(quick: bool = False, seed: int = 0) -> str:
+    cost = load_model("llama7b-a6000")
+    n_apps, chunks, chunk_tokens, out = (2, 8, 1024, 50) if quick else (8, 16, 1024, 50)
+    chat_rate = 1.0
+    results = {}
+    for policy in ("parrot", "fifo-latency", "fifo-throughput"):
+        cfg = ClusterConfig(engines=4, cost_model="llama7b-a6000", policy=policy, latency_cap_tokens=4096,
+                            throughput_cap_tokens=cost.kv_cache_tokens, seed=seed)
+        apps = [W.app("map_reduce", chunks, chunk_tokens, out, seed * 100 + k) for k in range(n_apps)]
+        rng = random.Random(f"chat:{seed}")
+
+        async def body(c: SimCluster):
+            loop = asyncio.get_running_loop()
+            done = asyncio.Event()
+            mode = "parrot" if policy == "parrot" else "baseline"
+            mr = [asyncio.ensure_future(c.run_app(a, mode, criteria="throughput")) for a in apps]
+            chats, i = [], 0
+            t0 = loop.time()
+
+            async def chat(prompt, n):
+                r = await c.complete(prompt, n, rtt=False)  # the same OpenAI-style client under every policy
+                return r.latency_s / n
+
+            all_mr = asyncio.ensure_future(asyncio.gather(*mr))
+            all_mr.add_done_callback(lambda f: done.set())
+            while not done.is_set() or i < 10:
+                prompt = f"[chat {i}] User: " + W.synth_text(rng.randint(100, 800), rng) + "\nAssistant:"
+                chats.append(asyncio.ensure_future(chat(prompt, rng.randint(50, 400))))
+                i += 1
+                await asyncio.sleep(max(0.0, t0 + i / chat_rate - loop.time()))
+            mr_times = await all_mr
+            per_token = await asyncio.gather(*chats)
+            return statistics.mean(per_token), statistics.mean(mr_times), len(per_token)
+
+        results[policy] = _run(cfg, body)
+    p = results["parrot"]
+    rows = [[pol, r[0], r[0] / p[0], r[1], r[1] / p[1], r[2]] for pol, r in results.items()]
+    lat, thr = results["fifo-latency"], results["fifo-throughput"]
+    return (format_table(["policy", "chat s/token", "ratio", "map-reduce s", "ratio", "chats"], rows,
+                         title=f"[Fig. 19] chat at {chat_rate} req/s (prompt 100-800, out 50-400) + {n_apps} "
+                               "map-reduce "
+                               f"apps ({chunks}x{chunk_tokens} tok, out {out}, THROUGHPUT), 4x A6000 LLaMA-7B (sim); "
+                               "latency cap 4096")
+            + f"\n  ours: chat {lat[0] / p[0]:.2f}x / {thr[0] / p[0]:.2f}x, map-reduce {lat[1] / p[1]:.2f}x / "
+              f"{thr[1] / p[1]:.2f}x (vs latency / throughput baseline)   paper: chat 5.5x / 1.23x, map-reduce 3.7x "
+              "/ 1.05x")
+
+
+# ---- speed ----------------------------------------------------------------------------------------------------------
+def speed(quick: bool = False, seed: int = 0, n_requests: int | None = None, engines: int = 8,
+          policy: str = "least-loaded") -> str:
+    n = n_requests or (1000 if quick else 10_000)
+    rate = 5.0 * engines  # below saturation: the queue stays short (see the report on dispatcher cost)
+    rng = random.Random(f"speed:{seed}")
+    reqs, t = [], 0.0
+    for i in range(n):
+        t += rng.expovariate(rate)
+        reqs.append((t, f"[req {i}] " + W.synth_text(rng.randint(50, 400), rng), rng.randint(20, 200)))
+    template = "{{input:prompt}}\nAnswer: {{output:answer}}"
+    cfg = ClusterConfig(engines=engines, cost_model="llama7b-a100", policy=policy, seed=seed,
+                        latency_cap_tokens=6144)
+
+    async def body(c: SimCluster):
+        loop = asyncio.get_running_loop()
+
+        async def one(at, prompt, out):
+            await asyncio.sleep(at - loop.time())
+            return (await c.run_parrot_call(template, {"prompt": prompt}, out, output="answer")).latency_s
+
+        lats = await asyncio.gather(*(one(*r) for r in reqs))
+        return loop.time(), statistics.mean(lats), sum(e.num_steps for e in c.engines)
+
+    wall = time.perf_counter()
+    vt, mean_lat, steps = _run(cfg, body)
+    wall = time.perf_counter() - wall
+    return (format_table(["requests", "engines", "virtual s", "engine iterations", "mean latency s", "wall s"],
+                         [[n, engines, vt, steps, mean_lat, wall]],
+                         title=f"[speed] semantic calls through the real manager (policy {policy}), Poisson arrivals "
+                               f"at {rate:g} req/s, LLaMA-7B A100 (sim)")
+            + f"\n  {n / wall:,.0f} requests/s wall; target: 10,000 requests on 8 engines in < 60 s")
+
+
+# ---- validation against real app_bench runs -------------------------------------------------------------------------
+def validate(real: list[str], cost_model: str = "this-machine", policy: str = "least-loaded", seed: int = 0) -> str:
+    """Simulate the configurations of real ``parrot.bench.app_bench`` JSON files with ``cost_model``; print the
+    simulated vs measured end-to-end latencies and the relative error (the issue asks for <= 25%)."""
+    paths = [p for pat in real for p in sorted(glob.glob(pat))]
+    if not paths:
+        raise SystemExit(f"validate: no file matches {real}")
+    rows = []
+    for path in paths:
+        data = json.loads(open(path, encoding="utf-8").read())
+        cond = data["conditions"]
+        args = data.get("args", {})
+        chunk_words = int(cond.get("chunk_words", args.get("chunk_words", 100)))
+        latency = tuple(cond.get("latency_ms", (200.0, 300.0)))
+        if cond.get("background"):
+            log.warning("%s: %s background clients are not simulated", path, cond["background"])
+        doc = load_document(args["document"]) if args.get("document") else load_document(W.DEFAULT_DOCUMENT)
+        for row in data["rows"]:
+            pieces = split_words(doc, row["chunks"], chunk_words)
+            app = APPS[row["app"]](pieces, row["output_len"], tag=f"[validate {seed}] ")
+            cfg = ClusterConfig(engines=1, cost_model=cost_model, policy=policy, latency_ms=latency, seed=seed,
+                                latency_cap_tokens=2048, throughput_cap_tokens=65536)
+            for mode in ("baseline", "parrot"):
+                sim = _run(cfg, lambda c: c.run_app(app, mode))
+                real_s = row[f"{mode}_s"]
+                rows.append([f"{row['app']} x{row['chunks']} len{row['output_len']}", mode, real_s, sim,
+                             f"{(sim - real_s) / real_s:+.0%}"])
+    within = sum(abs(r[3] - r[2]) / r[2] <= 0.25 for r in rows)
+    return (format_table(["config", "mode", "real s", "sim s", "error"], rows,
+                         title=f"[validate] simulator ({cost_model}, policy {policy}) vs real app_bench runs")
+            + f"\n  {within}/{len(rows)} within 25%")
+
+
+EXPERIMENTS = {"map_reduce": map_reduce, "multi_chain": multi_chain, "gpts": gpts, "mixed": mixed, "speed": speed}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("name", nargs="?", default="all", choices=[*EXPERIMENTS, "validate", "all"])
+    p.add_argument("--quick", action="store_true", help="smaller workloads (seconds)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--real", nargs="+", default=[], help="validate: app_bench JSON files (globs allowed)")
+    p.add_argument("--cost-model", default="this-machine", help="validate: cost model name or path")
+    p.add_argument("--policy", default="least-loaded", help="validate: the real server's --policy")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    if args.name == "validate":
+        print(validate(args.real or ["bench_out/app_bench-*.json"], args.cost_model, args.policy, args.seed))
+        return 0
+    names = list(EXPERIMENTS) if args.name == "all" else [args.name]
+    for name in names:
+        t = time.perf_counter()
+        print(EXPERIMENTS[name](quick=args.quick, seed=args.seed))
+        print(f"  ({name}: {time.perf_counter() - t:.1f} s wall)\n", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

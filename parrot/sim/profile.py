@@ -1,0 +1,141 @@
+"""``parrot profile``: measure the builtin engine on this machine and fit the simulator's cost model.
+
+Runs the real engine (model load included, ~1-2 minutes on 2 cores): prefill iterations of several chunk sizes
+after several context lengths, and decode iterations at several batch sizes and context lengths; then a
+non-negative least-squares fit of :class:`~parrot.sim.cost_model.CostModel` (linear in tokens, Preble §2.1).
+Writes ``parrot/sim/cost_models/this-machine.json`` (or ``--out``) with the samples' fit error in ``source``.
+This module imports torch only inside :func:`profile_engine` (the engine needs it; the simulator does not).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+from parrot.sim.cost_model import CostModel, Sample, fit_coefficients, fit_report
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProfilePlan:
+    # sized to finish in ~1 minute on 2 cores (the decode contexts' fills dominate)
+    prefill_sizes: tuple[int, ...] = (32, 128, 512)
+    prefill_contexts: tuple[int, ...] = (0, 768)
+    decode_batches: tuple[int, ...] = (1, 4, 12)
+    decode_contexts: tuple[int, ...] = (64, 512)
+    decode_steps: int = 8
+    repeats: int = 2
+
+
+QUICK_PLAN = ProfilePlan(prefill_sizes=(32, 256), prefill_contexts=(0, 256), decode_batches=(1, 4),
+                         decode_contexts=(64,), decode_steps=4, repeats=1)
+
+
+def profile_engine(settings=None, plan: ProfilePlan = ProfilePlan(), seed: int = 0) -> tuple[CostModel, list[Sample]]:
+    """Measure the builtin engine built from ``settings`` (EngineSettings; default: the default model)."""
+    from parrot.common.sampling import SamplingParams
+    from parrot.engine.builder import build_engine
+    from parrot.engine.settings import EngineSettings
+
+    settings = settings or EngineSettings()
+    t_load = time.perf_counter()
+    engine = build_engine(settings)
+    log.info("profile: engine up in %.1f s", time.perf_counter() - t_load)
+    rng = random.Random(seed)
+    vocab = engine.tokenizer.vocab_size
+    ids = iter(range(10**9))
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(100, vocab) for _ in range(n)]  # random: no prefix-cache hits
+
+    def new_ctx() -> str:
+        return f"prof-{next(ids)}"
+
+    samples: list[Sample] = []
+    try:
+        # Each point is the minimum over ``repeats`` runs (the machine may be shared: the minimum is the
+        # least-disturbed measurement). Prefills after a context fork a base context holding it (no refill).
+        for c in plan.prefill_contexts:
+            base = None
+            if c:
+                base = new_ctx()
+                engine.fill(toks(c), base).result()
+            for n in plan.prefill_sizes:
+                if n > engine.scheduler.max_batch_tokens:
+                    continue  # would take several iterations
+                best = float("inf")
+                for _ in range(plan.repeats):
+                    ctx = new_ctx()
+                    t = time.perf_counter()
+                    engine.fill(toks(n), ctx, base).result()
+                    best = min(best, time.perf_counter() - t)
+                    engine.free_context(ctx).result()
+                samples.append(Sample(n, n * (c + n / 2), 0, 0, best))
+            if base is not None:
+                engine.free_context(base).result()
+        for c in plan.decode_contexts:
+            for b in plan.decode_batches:
+                ctxs = [new_ctx() for _ in range(b)]
+                for ctx in ctxs:
+                    engine.fill(toks(c), ctx).result()
+                k = plan.decode_steps
+                sp = SamplingParams(max_tokens=k, ignore_eos=True)
+                best = float("inf")
+                for _ in range(plan.repeats):
+                    tokens0 = engine.num_tokens_computed
+                    t = time.perf_counter()
+                    futs = [engine.generate(sp, ctx) for ctx in ctxs]
+                    for f in futs:
+                        f.result()
+                    dt = time.perf_counter() - t
+                    # decode iterations = tokens computed / batch (a first token sampled from the fill's stored
+                    # hidden state costs no iteration of its own)
+                    steps = max(1, (engine.num_tokens_computed - tokens0) // b)
+                    best = min(best, dt / steps)
+                samples.append(Sample(0, 0.0, b, b * (c + k), best))
+                for ctx in ctxs:
+                    engine.free_context(ctx).result()
+        coef = fit_coefficients(samples)
+        model = CostModel(
+            name="this-machine", **coef, swap_block_s=0.0,
+            kv_cache_tokens=engine.pool.num_blocks * engine.pool.block_size, block_size=engine.pool.block_size,
+            max_batch_tokens=engine.scheduler.max_batch_tokens, max_num_seqs=engine.scheduler.max_num_seqs,
+            max_model_len=engine.max_model_len, source={})
+        errs = [abs(p - s.seconds) / s.seconds for s, p in fit_report(model, samples)]
+        import torch
+
+        source = {
+            "generated_by": "parrot profile (parrot.sim.profile.profile_engine): least-squares fit, relative error "
+                            "weighting, non-negative coefficients",
+            "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, torch "
+                       f"{torch.__version__} threads {torch.get_num_threads()}".strip(),
+            "engine": f"builtin engine, model {engine.model_name}, dtype {settings.dtype}, weight_quant "
+                      f"{settings.resolved_weight_quant}, block {engine.pool.block_size}, max_batch_tokens "
+                      f"{engine.scheduler.max_batch_tokens}",
+            "plan": repr(plan),
+            "fit_relative_error": f"median {statistics.median(errs):.1%}, max {max(errs):.1%} over {len(samples)} "
+                                  "samples",
+            "samples": [[s.prefill_tokens, s.prefill_attn, s.decode_seqs, s.decode_ctx, round(s.seconds, 6)]
+                        for s in samples],
+            "swap_block_s": "not measured (the builtin engine preempts by recompute, it does not swap)",
+        }
+        model = CostModel.from_dict({**model.to_dict(), "source": source})
+        return model, samples
+    finally:
+        engine.shutdown()
+
+
+def format_fit(model: CostModel, samples: list[Sample]) -> str:
+    lines = [f"{'prefill tok':>11} {'attn pairs':>11} {'decode seqs':>11} {'ctx tok':>8} {'measured ms':>12} "
+             f"{'model ms':>9}"]
+    for s, p in fit_report(model, samples):
+        lines.append(f"{s.prefill_tokens:>11} {s.prefill_attn:>11.0f} {s.decode_seqs:>11} {s.decode_ctx:>8} "
+                     f"{s.seconds * 1e3:>12.2f} {p * 1e3:>9.2f}")
+    return "\n".join(lines)
