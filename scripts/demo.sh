@@ -8,9 +8,10 @@ PORT=${PARROT_PORT:-8000}
 export PARROT_URL="http://127.0.0.1:${PORT}"
 .venv/bin/parrot serve --port "$PORT" &
 SERVER=$!
-trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null' EXIT
+stop_server() { kill $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true; }
+trap stop_server EXIT
 for _ in $(seq 1 300); do
-  curl -sf "$PARROT_URL/health" >/dev/null 2>&1 && break
+  .venv/bin/python -c "import httpx, os, sys; sys.exit(httpx.get(os.environ['PARROT_URL'] + '/health', timeout=2).status_code != 200)" >/dev/null 2>&1 && break
   kill -0 $SERVER 2>/dev/null || { echo "parrot serve exited" >&2; exit 1; }
   sleep 1
 done
@@ -18,3 +19,6 @@ for app in snake_game multi_output chain_summary map_reduce_summary; do
   echo "=== examples/${app}.py"
   .venv/bin/python "examples/${app}.py"
 done
+stop_server
+trap - EXIT
+echo "demo finished"
