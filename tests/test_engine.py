@@ -291,3 +291,29 @@ def test_shared_prefix_kernel_matches_plain_attention():
     a = shared(0, q, k_new, v_new)
     b = plain(0, q, k_new, v_new)
     assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+
+
+def test_pinned_prefix_survives_eviction(tiny_parts):
+    """A pinned hot prefix keeps its cached blocks through memory pressure that evicts everything else."""
+    eng = make_engine(tiny_parts, kv_cache_tokens=128, block_size=16)  # 8 blocks
+    try:
+        hot = list(range(700, 732))  # 2 full blocks
+        cold = list(range(800, 832))
+        for cid, toks in (("hot", hot), ("cold", cold)):
+            run(eng.fill(toks, cid))
+            run(eng.free_context(cid))
+        assert run(eng.pin_prefix(hot)) == 2
+        run(eng.fill(list(range(900, 995)), "pressure"))  # 6 blocks: needs every unpinned block
+        run(eng.free_context("pressure"))
+        assert run(eng.fill(hot, "hot2")).num_cached == 32  # pinned: still cached
+        assert run(eng.fill(cold, "cold2")).num_cached == 0  # evicted by the pressure
+        run(eng.free_context("hot2"))
+        run(eng.free_context("cold2"))
+        assert run(eng.pin_prefix(hot, pinned=False)) == 0
+        assert eng.pool.num_pinned == 0 and eng.pool.num_used == 0
+        # with 2 of 8 blocks pinned, a context needing 7 can never fit: a typed error, not a hang
+        run(eng.pin_prefix(hot))
+        with pytest.raises(ContextLengthExceeded):
+            run(eng.fill(list(range(900, 1012)), "too-big"))
+    finally:
+        eng.shutdown()

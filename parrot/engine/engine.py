@@ -25,7 +25,7 @@ from parrot.common.errors import (
 from parrot.common.sampling import FinishReason, SamplingParams
 from parrot.engine.context import Context, Op, OpKind, OpStatus
 from parrot.engine.interface import EngineStatus, FillResult, GenerateResult
-from parrot.engine.kv_cache.block_pool import BlockPool
+from parrot.engine.kv_cache.block_pool import BlockPool, chain_hashes
 from parrot.engine.runner import ModelRunner, StepOutput
 from parrot.engine.scheduler.scheduler import Scheduler, TooLargeForPool
 from parrot.engine.stopping import StopChecker
@@ -49,6 +49,7 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(tokenizer.eos_token_ids)
         self.contexts: dict[str, Context] = {}
+        self._pins: dict[int, list[int]] = {}  # last chain hash of a pinned prefix -> its pinned blocks
         self._cmds: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -133,6 +134,26 @@ class LLMEngine:
             self.scheduler.token_cap = max_running_tokens
             self._status = self._snapshot()
             fut.set_result(None)
+
+        self._submit(cmd, fut)
+        return fut
+
+    def pin_prefix(self, token_ids: list[int], pinned: bool = True) -> Future:
+        """Pin (or unpin) the cached KV of a hot token prefix: its full blocks hold one extra reference, so
+        LRU eviction never drops them. Only blocks already cached or in use are pinned (fill the prefix first);
+        the result is the number of blocks now pinned for this prefix."""
+        fut: Future = Future()
+        toks = self._check_tokens(token_ids)
+
+        def cmd() -> None:
+            hashes = chain_hashes(toks, self.pool.block_size)
+            key = hashes[-1] if hashes else None
+            self.pool.unpin(self._pins.pop(key, []) if key is not None else [])
+            blocks = self.pool.pin(hashes) if pinned and key is not None else []
+            if blocks:
+                self._pins[key] = blocks
+            self._status = self._snapshot()
+            fut.set_result(len(blocks))
 
         self._submit(cmd, fut)
         return fut
@@ -378,6 +399,7 @@ class LLMEngine:
             num_contexts=len(self.contexts), num_preempted_total=sch.num_preemptions,
             extra={"steps": self.num_steps, "tokens_computed": self.num_tokens_computed,
                    "prefix_cache_hit_blocks": self.pool.num_hit_blocks,
-                   "shared_prefix_decode_rows": self.runner.num_shared_prefix_rows, "kv_blocks_evicted": self.pool.num_evicted,
+                   "shared_prefix_decode_rows": self.runner.num_shared_prefix_rows,
+                   "pinned_blocks": self.pool.num_pinned, "kv_blocks_evicted": self.pool.num_evicted,
                    "token_cap": sch.token_cap},
         )

@@ -52,6 +52,22 @@ class BlockPool:
         self._cached: OrderedDict[int, None] = OrderedDict()  # ref-0 registered blocks, LRU first
         self.num_evicted = 0
         self.num_hit_blocks = 0
+        self.num_pinned = 0  # blocks held by pins: never available to contexts while pinned
+
+    @property
+    def capacity(self) -> int:
+        """Blocks contexts can ever get (all but the pinned ones)."""
+        return self.num_blocks - self.num_pinned
+
+    def pin(self, hashes: Sequence[int]) -> list[int]:
+        """Hold an extra reference on the cached/used blocks of this chain (see match); returns them."""
+        blocks = self.match(hashes)
+        self.num_pinned += len(blocks)
+        return blocks
+
+    def unpin(self, blocks: Sequence[int]) -> None:
+        self.num_pinned -= len(blocks)
+        self.release(blocks)
 
     # ---- queries -----------------------------------------------------------------------------------------
     @property

@@ -187,8 +187,8 @@ class Scheduler:
             if self.token_cap is not None and self.running and running_tokens + len(op.ctx.tokens) > self.token_cap:
                 break  # FCFS under the placement's cap: the head waits for running ops to finish
             needed = self.pool.blocks_for(len(op.ctx.tokens) + 1)
-            if needed > self.pool.num_blocks:
-                raise TooLargeForPool(op, needed, self.pool.num_blocks)
+            if needed > self.pool.capacity:
+                raise TooLargeForPool(op, needed, self.pool.capacity)
             chunk = self._plan_op(op, budget, may_preempt=False, preempted=preempted)
             if chunk is None:
                 break  # FCFS: the head waits for memory
