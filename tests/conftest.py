@@ -27,3 +27,15 @@ def tiny_config() -> ModelConfig:
         num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
         max_position_embeddings=128, tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,),
     )
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Run a module single-threaded: on the shared 2-core box two intra-op threads stall on each other under
+    load (5-10x slower). Opt in with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -21,15 +21,7 @@ from parrot.engine.model_files import default_model_path, resolve_model_path
 from parrot.engine.models import build_random_model, load_model
 from parrot.engine.models.llama import assemble_model, random_weights
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """The dev box's 2 cores are shared: with 2 intra-op threads every small op can stall on a descheduled
-    thread (measured 5-10x slower under load), so these tests run single-threaded."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class SegmentCausalAttention:

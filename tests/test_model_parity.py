@@ -21,16 +21,8 @@ from parrot.engine.models.llama import LlamaForCausalLM, assemble_model
 from parrot.engine.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 logger = logging.getLogger(__name__)
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """The dev box's 2 cores are shared: with 2 intra-op threads every small op can stall on a descheduled
-    thread (measured 5-10x slower under load), so these tests run single-threaded."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 PROMPTS = [

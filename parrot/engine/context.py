@@ -102,14 +102,6 @@ class Op:
     def is_generate(self) -> bool:
         return self.kind is OpKind.GENERATE
 
-    def tokens_to_compute(self) -> int:
-        """Tokens this op must still push through the model before it can make progress.
-
-        A GENERATE on a fully computed context needs none if the context has a cached last hidden state; the
-        runner then samples from it directly (``needs_sample_only``).
-        """
-        return self.ctx.num_uncomputed
-
     @property
     def sort_key(self) -> tuple[float, int]:
         return (self.arrival, self.seq_no)

@@ -161,9 +161,6 @@ class LLMEngine:
     def status(self) -> EngineStatus:
         return self._status
 
-    def has_context(self, context_id: str) -> bool:
-        return context_id in self.contexts
-
     # ---- command helpers (engine thread) ---------------------------------------------------------------------
     def _check_tokens(self, token_ids: list[int]) -> list[int]:
         vocab = self.tokenizer.vocab_size
