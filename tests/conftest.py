@@ -39,3 +39,16 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def native_kernel():
+    """The native paged-decode op (parrot.engine.kernels), built if missing. Skips only on a machine without a
+    C++ compiler; with one, a failed build fails the test."""
+    import shutil
+
+    from parrot.engine.kernels import load_paged_decode
+
+    if not (shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("no C++ compiler: the engine runs the pure-torch attention path here")
+    return load_paged_decode(build_if_missing=True)

@@ -260,10 +260,13 @@ def test_shared_prefix_attention_equals_plain(tiny_parts, prefix_len):
     assert len({o for o in outs[True]}) == 6
 
 
-def test_shared_prefix_kernel_matches_plain_attention():
-    """The attention math alone, on random K/V: two groups with different prefixes and ragged suffixes."""
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+def test_shared_prefix_kernel_matches_plain_attention(native, request):
+    """The attention math alone, on random K/V: two groups with different prefixes and ragged suffixes; the
+    shared-prefix path, the plain path and a dense reference agree, for the torch path and the native kernel."""
     from parrot.engine.layers.attention import BlockRef, DecodeGroup, PagedAttention
 
+    kernel = request.getfixturevalue("native_kernel") if native else None
     torch.manual_seed(0)
     bs, n_kv, G, hd, nb = 4, 2, 3, 8, 64
     kc = torch.randn(nb, bs, n_kv, hd)
@@ -278,18 +281,26 @@ def test_shared_prefix_kernel_matches_plain_attention():
         mx = max(ls)
         mb = -(-mx // bs)
         tab = [tables[r][P : P + mb] + [0] * (mb - len(tables[r][P : P + mb])) for r in rows]
-        keep = (torch.arange(mx).unsqueeze(0) < torch.tensor(ls).unsqueeze(1)).view(len(rows), 1, 1, mx)
-        mask = torch.zeros(keep.shape).masked_fill_(~keep, float("-inf")) if P else keep
         pre = BlockRef.of([tables[rows[0]][:P]], dev) if P else None
-        return DecodeGroup(row0, len(rows), pre, P * bs, BlockRef.of(tab, dev), mx, mask)
+        return DecodeGroup(row0, len(rows), pre, P * bs, torch.tensor(tab, dtype=torch.int32),
+                           torch.tensor(ls, dtype=torch.int32), mx)
 
     slots = torch.tensor([tables[r][(lens[r] - 1) // bs] * bs + (lens[r] - 1) % bs for r in range(4)])
     k_new = torch.stack([kc[tables[r][(lens[r] - 1) // bs], (lens[r] - 1) % bs] for r in range(4)])
     v_new = torch.stack([vc[tables[r][(lens[r] - 1) // bs], (lens[r] - 1) % bs] for r in range(4)])
-    shared = PagedAttention([(kc, vc)], slots, [group(0, [0, 1], 3), group(2, [2, 3], 2)], [], hd ** -0.5)
-    plain = PagedAttention([(kc, vc)], slots, [group(0, [0, 1, 2, 3], 0)], [], hd ** -0.5)
+    shared = PagedAttention([(kc, vc)], slots, [group(0, [0, 1], 3), group(2, [2, 3], 2)], [], hd ** -0.5, kernel)
+    plain = PagedAttention([(kc, vc)], slots, [group(0, [0, 1, 2, 3], 0)], [], hd ** -0.5, kernel)
     a = shared(0, q, k_new, v_new)
     b = plain(0, q, k_new, v_new)
+    ref = []
+    for r in range(4):  # dense softmax attention over the sequence's tokens, head by head
+        k = torch.cat([kc[blk] for blk in tables[r]])[: lens[r]]  # [L, n_kv, hd]
+        v = torch.cat([vc[blk] for blk in tables[r]])[: lens[r]]
+        qh = q[r].view(n_kv, G, hd)
+        w = torch.softmax(torch.einsum("kgd,lkd->kgl", qh, k) * hd ** -0.5, -1)
+        ref.append(torch.einsum("kgl,lkd->kgd", w, v).reshape(-1))
+    ref = torch.stack(ref)
+    assert torch.allclose(b, ref, atol=1e-5), (b - ref).abs().max()
     assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
 
 

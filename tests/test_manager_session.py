@@ -81,6 +81,49 @@ def test_ttl_expiry_closes_session_frees_contexts_and_fails_waiting_gets():
     asyncio.run(main())
 
 
+class _RecordingPolicy(LeastLoadedPolicy):
+    """Least-loaded placement that records the queue entries it is shown."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = []
+
+    def place(self, queue, cluster):
+        self.seen.extend(queue)
+        return super().place(queue, cluster)
+
+
+def test_manager_hands_its_clock_to_every_component():
+    """Sessions, DAG timestamps, queue order and the deduced app order all read the manager's clock (the
+    simulator relies on it: with the default time.time they would be ~1.7e9, not the fake values)."""
+    now = [100.0]
+
+    async def main():
+        policy = _RecordingPolicy()
+        mgr = Manager(EngineRegistry([FakeEngine()]), policy=policy, config=ManagerConfig(heartbeat_interval_s=0),
+                      clock=lambda: now[0])
+        await mgr.start()
+        try:
+            s = mgr.create_session()
+            assert s.created_at == s.last_access == 100.0
+            now[0] = 200.0
+            x = mgr.create_variable(s, "x")
+            req = mgr.submit(s, SubmitSpec("say {{input:x}} {{output:y}}", [PlaceholderSpec("x", False, x.var_id),
+                                                                                PlaceholderSpec("y", True)]))
+            await mgr.get_variable(s, req.outputs[0], criteria="latency")
+            assert mgr.deduction.info(s.session_id, req.request_id).app_order == 200.0
+            now[0] = 300.0
+            mgr.set_variable(s, x.var_id, "hi")
+            await mgr.get_variable(s, req.outputs[0], timeout_s=5)
+            times = mgr.dag(s).requests[0]["timestamps"]
+            assert times == {"submitted": 200.0, "dispatched": 300.0, "first_token": 300.0, "finished": 300.0}
+            assert [q.enqueued_at for q in policy.seen] == [300.0]
+        finally:
+            await mgr.stop()
+
+    asyncio.run(main())
+
+
 def test_background_cleanup_task_expires_idle_sessions():
     async def main():
         eng = FakeEngine()

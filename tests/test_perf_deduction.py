@@ -150,6 +150,7 @@ def test_deduction_runs_at_get_time_and_late_submits_are_labeled_on_arrival():
     assert d.annotate(g, out, THR) is False  # latency already recorded: throughput never loosens it
     assert d.annotate(g, out, LAT, PerfTargets(tpot_s=0.02)) is True
     assert d.label("s", producer.request_id).targets.tpot_s == 0.02
+    assert d.info("s", producer.request_id).targets.tpot_s == 0.02  # infos (cached) follow the relabel
     d.forget("s")
     assert d.labels("s") == {}
 

@@ -28,7 +28,7 @@ def test_two_dependent_calls_flow_through_the_manager_with_dag_timestamps():
 
     async def body(c: SimCluster):
         m = c.manager
-        s = c.create_session()
+        s = m.create_session()
         task = m.create_variable(s, "task", "a snake game")
         out = {"max_tokens": 12, "ignore_eos": True, "stop": []}
         r1 = m.submit(s, SubmitSpec("You are an engineer. Write code for {{input:task}}. Code: {{output:code}}",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 
@@ -10,6 +11,7 @@ import pytest
 
 from parrot.common.errors import ContextLengthExceeded, UnknownContext
 from parrot.common.sampling import FinishReason, SamplingParams
+from parrot.engine.local_client import LocalEngineClient
 from parrot.sim.cost_model import (
     CostModel,
     Sample,
@@ -146,7 +148,7 @@ def test_engine_fill_fork_generate_free_and_kv_accounting():
         assert g.token_ids == (GEN_TOKEN,) * 5 and g.finish_reason is FinishReason.LENGTH and g.prompt_len == 42
         assert g.latency_s > g.ttft_s > 0
         assert len(e.contexts["b"].tokens) == 47  # generated tokens are part of the context
-        st = await e.status()
+        st = e.status()
         assert (st.num_contexts, st.num_running) == (2, 0)
         await e.free_context("a")
         assert e.pool.num_shared == 0 and e.pool.num_used == 3  # b keeps the shared blocks
@@ -156,7 +158,7 @@ def test_engine_fill_fork_generate_free_and_kv_accounting():
             await e.free_context("b")
         with pytest.raises(ContextLengthExceeded):
             await e.fill(list(range(100, 700)), "c")
-        await e.close()
+        e.shutdown()
 
     run_virtual(main())
 
@@ -172,7 +174,7 @@ def test_engine_output_lengths_are_seeded_and_honour_max_tokens():
             assert len(g.token_ids) <= 10
             if g.finish_reason is FinishReason.STOP:
                 assert g.token_ids[-1] == EOS
-        await e.close()
+        e.shutdown()
         return out
 
     a, b = run_virtual(lengths(1)), run_virtual(lengths(1))
@@ -189,7 +191,7 @@ def test_engine_batches_concurrent_decodes_and_applies_token_cap():
             await e.fill([100 + i] * 20, f"c{i}")
         t0 = loop.time()
         await asyncio.gather(*(e.generate(SamplingParams(max_tokens=10, ignore_eos=True), f"c{i}") for i in range(4)))
-        await e.close()
+        e.shutdown()
         return loop.time() - t0, e.num_steps
 
     batched, capped = run_virtual(run(None)), run_virtual(run(40))
@@ -201,11 +203,50 @@ def test_engine_streams_tokens_with_the_finish_on_the_last_chunk():
     async def main():
         e = SimEngine("e", TINY)
         await e.fill([100, 101, 102], "s")
-        chunks = [c async for c in e.generate_stream(SamplingParams(max_tokens=4, ignore_eos=True), "s")]
-        await e.close()
+        client = LocalEngineClient(e, owns_engine=False)  # the builtin engine's in-process client
+        chunks = [c async for c in client.generate_stream(SamplingParams(max_tokens=4, ignore_eos=True), "s")]
+        e.shutdown()
         return chunks
 
     chunks = run_virtual(main())
     assert [c.token_ids for c in chunks] == [(GEN_TOKEN,)] * 4
     assert [c.finish_reason for c in chunks] == [None, None, None, FinishReason.LENGTH]
     assert "".join(c.text for c in chunks).split() == ["tok"] * 4
+
+
+def test_a_command_arriving_mid_iteration_waits_for_its_end_as_in_the_builtin_engine():
+    async def main():
+        loop = asyncio.get_running_loop()
+        e = SimEngine("e", TINY)
+        fill = asyncio.ensure_future(e.fill(list(range(100, 160)), "a"))  # one 60-token iteration
+        await asyncio.sleep(TINY.prefill_s(60) / 2)
+        await e.free_context("a")  # the step in flight completes first, then the free runs
+        freed_at = loop.time()
+        r = await fill
+        e.shutdown()
+        return freed_at, r, e.pool.num_used
+
+    freed_at, r, used = run_virtual(main())
+    assert freed_at == pytest.approx(TINY.prefill_s(60))
+    assert r.context_len == 60 and used == 0
+
+
+def test_forked_decodes_read_their_shared_prefix_once():
+    """Shared-prefix attention (the builtin engine's kernel): 4 children of one 64-token parent decode
+    together; with the kernel their 4 shared blocks are read once per iteration, not four times."""
+    cost = dataclasses.replace(TINY, decode_ctx_s=1e-4)
+
+    async def run(shared):
+        e = SimEngine("e", cost, shared_prefix_attention=shared)
+        await e.fill(list(range(100, 164)), "p")
+        await asyncio.gather(*(e.fill([200 + i], f"c{i}", "p") for i in range(4)))
+        t0 = asyncio.get_running_loop().time()
+        await asyncio.gather(*(e.generate(SamplingParams(max_tokens=6, ignore_eos=True), f"c{i}") for i in range(4)))
+        rows = e.status().extra["shared_prefix_decode_rows"]
+        e.shutdown()
+        return asyncio.get_running_loop().time() - t0, rows
+
+    (t_on, rows_on), (t_off, rows_off) = run_virtual(run(True)), run_virtual(run(False))
+    assert rows_off == 0 and rows_on == 4 * 5  # 5 decode iterations of 4 rows (the first token is sample-only)
+    # each of the 5 iterations skips re-reading 3 x 64 shared tokens
+    assert t_off - t_on == pytest.approx(5 * 3 * 64 * cost.decode_ctx_s)

@@ -12,7 +12,7 @@ def test_profile_fits_a_usable_cost_model(tmp_path):
     model, samples = profile_engine(settings, QUICK_PLAN)
     assert len(samples) == 4 + 2  # prefill sizes x contexts + decode batches x contexts
     assert model.kv_cache_tokens == 4096 and model.max_batch_tokens == settings.max_batch_tokens
-    assert "fit_relative_error" in model.source and "machine" in model.source
+    assert "fit_relative_error" in model.source and "machine" in model.source and "load_average" in model.source
     path = tmp_path / "this-machine.json"
     model.save(path)
     loaded = load_model(path)

@@ -98,7 +98,8 @@ class OursRunner(Runner):
         for mod in self.engine.runner.model.modules():
             if isinstance(mod, FastLinear):
                 q = getattr(mod, "qweight", None)
-                total += mod.weight.nbytes if q is None else q.nbytes + mod.scales.nbytes
+                dense = mod.out_features * mod.in_features * mod.dtype.itemsize  # dense or packed, same bytes
+                total += dense if q is None else q.nbytes + mod.scales.nbytes
         return total
 
     def info(self) -> dict:
@@ -109,6 +110,7 @@ class OursRunner(Runner):
                 "resolved_weight_quant": getattr(s, "resolved_weight_quant", s.weight_quant), "threads": s.num_threads,
                 "max_num_seqs": s.max_num_seqs, "max_batch_tokens": s.max_batch_tokens,
                 "kv_cache_tokens": s.kv_cache_tokens, "torch": torch.__version__,
+                "attention_kernel": "native" if self.engine.runner.decode_kernel is not None else "torch",
                 "preemptions": self.engine.status().num_preempted_total}
 
     def close(self) -> None:

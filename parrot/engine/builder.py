@@ -62,7 +62,8 @@ def build_engine(settings: EngineSettings, *, model=None, tokenizer=None) -> LLM
         num_blocks = max(1, settings.kv_cache_bytes // ModelRunner.kv_bytes_per_block(cfg, bs, elem))
     pool = BlockPool(num_blocks, bs, enable_prefix_cache=settings.enable_prefix_cache)
     sampler = Sampler(tokenizer.eos_token_ids, base_seed=settings.seed)
-    runner = ModelRunner(model, num_blocks, bs, sampler, shared_prefix_attention=settings.shared_prefix_attention)
+    runner = ModelRunner(model, num_blocks, bs, sampler, shared_prefix_attention=settings.shared_prefix_attention,
+                         decode_kernel=_decode_kernel(settings))
     scheduler = Scheduler(pool, settings.max_num_seqs, settings.max_batch_tokens)
     engine = LLMEngine(name=settings.name, model_name=model_name, runner=runner, pool=pool, scheduler=scheduler,
                        tokenizer=tokenizer, max_model_len=max_len)
@@ -70,6 +71,28 @@ def build_engine(settings: EngineSettings, *, model=None, tokenizer=None) -> LLM
     log.info("engine %s: model %s, %s, KV pool %d blocks x %d tokens, window %d", settings.name, model_name,
              settings.dtype, num_blocks, bs, max_len)
     return engine
+
+
+def _decode_kernel(settings: EngineSettings):
+    """The native paged-decode op per ``settings.attention_kernel`` (None = the pure-torch path)."""
+    from parrot.engine.kernels import KernelBuildError, load_paged_decode
+
+    if settings.attention_kernel == "torch":
+        return None
+    if settings.device != "cpu":
+        if settings.attention_kernel == "native":
+            raise ValueError(f"attention_kernel='native' is a CPU kernel; device is {settings.device!r}")
+        return None
+    try:
+        op = load_paged_decode(build_if_missing=settings.attention_kernel == "native")
+    except (KernelBuildError, OSError, RuntimeError) as e:
+        if settings.attention_kernel == "native":
+            raise ValueError(f"attention_kernel='native' is not available: {e}") from e
+        log.warning("native paged-decode kernel failed to load, using the torch path: %s", e)
+        return None
+    if op is None:
+        log.info("native paged-decode kernel not built (python -m parrot.engine.kernels); using the torch path")
+    return op
 
 
 def build_local_engine_client(settings: EngineSettings | None = None, **kw) -> LocalEngineClient:

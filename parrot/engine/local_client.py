@@ -1,4 +1,6 @@
-"""An in-process EngineClient over an LLMEngine (futures from the engine thread -> asyncio)."""
+"""An in-process EngineClient over an engine core: the builtin LLMEngine (``concurrent.futures`` futures settled
+by its thread, wrapped for asyncio) or the simulator's SimEngine (asyncio futures on the running loop, which
+``asyncio.wrap_future`` passes through)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from collections.abc import AsyncIterator
 
 from parrot.common.errors import ParrotError
 from parrot.common.sampling import FinishReason, SamplingParams
-from parrot.engine.engine import LLMEngine
+from parrot.engine.core import EngineCore
 from parrot.engine.interface import (
     EngineClient,
     EngineStatus,
@@ -23,7 +25,8 @@ log = logging.getLogger(__name__)
 
 
 class LocalEngineClient(EngineClient):
-    def __init__(self, engine: LLMEngine, *, owns_engine: bool = True) -> None:
+    def __init__(self, engine: EngineCore, *, owns_engine: bool = True) -> None:
+        """``owns_engine``: :meth:`close` shuts the engine down (a thread join, off the event loop)."""
         self.engine = engine
         self.name = engine.name
         self._owns = owns_engine

@@ -10,26 +10,21 @@ row; their hidden state comes from the context.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
 from parrot.engine.context import Context, Op
+from parrot.engine.core import StepOutput
 from parrot.engine.layers.attention import BlockRef, DecodeGroup, PagedAttention, PrefillMeta
 from parrot.engine.sampler import Sampler
 from parrot.engine.scheduler.scheduler import BatchPlan, Chunk
 
 
-@dataclass(frozen=True)
-class StepOutput:
-    computed: tuple[tuple[Context, int], ...]  # (context, tokens newly computed)
-    last_hidden: tuple[tuple[Context, torch.Tensor], ...]  # contexts whose end was reached this step
-    sampled: tuple[tuple[Op, int], ...]  # (generate op, new token)
-
-
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, sampler: Sampler, *,
-                 shared_prefix_attention: bool = True, min_shared_tokens: int = 32) -> None:
+                 shared_prefix_attention: bool = True, min_shared_tokens: int = 32,
+                 decode_kernel: Callable | None = None) -> None:
         cfg = model.config
         self.model = model
         self.sampler = sampler
@@ -46,6 +41,8 @@ class ModelRunner:
         self.shared_prefix_attention = shared_prefix_attention
         self.min_shared_blocks = max(1, -(-min_shared_tokens // block_size))
         self.num_shared_prefix_rows = 0  # decode rows served by the shared-prefix path (a metric)
+        # the native paged-decode op (parrot.engine.kernels) or None for the pure-torch path
+        self.decode_kernel = decode_kernel
 
     @staticmethod
     def kv_bytes_per_block(model_config, block_size: int, elem_size: int) -> int:
@@ -80,7 +77,8 @@ class ModelRunner:
                 prefill_meta.append(self._prefill_meta(c, row))
                 row += c.num_tokens
             attn = PagedAttention(
-                self.kv_caches, torch.tensor(slots, dtype=torch.long, device=dev), groups, prefill_meta, self.scale
+                self.kv_caches, torch.tensor(slots, dtype=torch.long, device=dev), groups, prefill_meta, self.scale,
+                self.decode_kernel,
             )
             hidden = self.model(
                 torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev), attn
@@ -154,7 +152,6 @@ class ModelRunner:
 
     def _group(self, row0: int, chunks: list[Chunk], P: int) -> DecodeGroup:
         bs = self.block_size
-        dev = self.device
         lens = [c.start + 1 - P * bs for c in chunks]  # suffix tokens incl. the new one
         max_len = max(lens)
         max_blocks = -(-max_len // bs)
@@ -162,16 +159,10 @@ class ModelRunner:
         for c in chunks:
             t = c.op.ctx.block_table[P : P + max_blocks]
             table.append(t + [0] * (max_blocks - len(t)))
-        mask = None
-        if min(lens) != max_len:
-            keep = torch.arange(max_len, device=dev).unsqueeze(0) < torch.tensor(lens, device=dev).unsqueeze(1)
-            keep = keep.view(len(chunks), 1, 1, max_len)
-            if P == 0:
-                mask = keep
-            else:  # the flash kernel with LSE wants an additive mask in the compute dtype
-                mask = torch.zeros(keep.shape, dtype=self.dtype, device=dev).masked_fill_(~keep, float("-inf"))
-        prefix = BlockRef.of([chunks[0].op.ctx.block_table[:P]], dev) if P else None
-        return DecodeGroup(row0, len(chunks), prefix, P * bs, BlockRef.of(table, dev), max_len, mask)
+        prefix = BlockRef.of([chunks[0].op.ctx.block_table[:P]], self.device) if P else None
+        return DecodeGroup(row0, len(chunks), prefix, P * bs,
+                           torch.tensor(table, dtype=torch.int32, device=self.device),
+                           torch.tensor(lens, dtype=torch.int32), max_len)
 
     def _prefill_meta(self, c: Chunk, row0: int) -> PrefillMeta:
         if c.start == 0:

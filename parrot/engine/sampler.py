@@ -15,6 +15,28 @@ from parrot.common.sampling import SamplingParams
 from parrot.engine.context import Op
 
 
+_ARGMAX_CHUNK = 1024
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` for 2-D ``x`` (first index of the row maximum), in two cheap steps: torch's CPU argmax
+    runs a scalar loop (~15 ms for 64 x 49152 on one core) while ``amax`` is vectorized (~0.8 ms). So: the
+    maximum of every chunk of 1024 columns (amax), the first chunk holding the row maximum (argmax over a few
+    dozen values), then the first maximum inside that chunk (argmax over 1024 values)."""
+    rows, vocab = x.shape
+    n = vocab // _ARGMAX_CHUNK
+    if n < 2:
+        return x.argmax(dim=-1)
+    maxima = x[:, : n * _ARGMAX_CHUNK].reshape(rows, n, _ARGMAX_CHUNK).amax(dim=-1)
+    if vocab > n * _ARGMAX_CHUNK:
+        maxima = torch.cat([maxima, x[:, n * _ARGMAX_CHUNK :].amax(dim=-1, keepdim=True)], dim=1)
+    chunk = maxima.argmax(dim=-1, keepdim=True)  # [rows, 1]
+    # columns of the winning chunk; the last chunk may be short: its overhang repeats the last column, which
+    # cannot come before the true first maximum
+    cols = (chunk * _ARGMAX_CHUNK + torch.arange(_ARGMAX_CHUNK, device=x.device)).clamp_(max=vocab - 1)
+    return cols.gather(1, x.gather(1, cols).argmax(dim=-1, keepdim=True)).squeeze(1)
+
+
 class Sampler:
     def __init__(self, eos_token_ids: Sequence[int], base_seed: int = 0) -> None:
         self.eos_token_ids = tuple(eos_token_ids)
@@ -63,7 +85,7 @@ class Sampler:
         greedy = [i for i, op in enumerate(ops) if op.sampling.greedy]  # type: ignore[union-attr]
         if greedy:
             idx = torch.tensor(greedy, dtype=torch.long, device=logits.device)
-            ids = logits.index_select(0, idx).argmax(dim=-1).tolist()
+            ids = argmax_rows(logits.index_select(0, idx)).tolist()
             for i, t in zip(greedy, ids):
                 out[i] = t
         sampled = [i for i, op in enumerate(ops) if not op.sampling.greedy]  # type: ignore[union-attr]

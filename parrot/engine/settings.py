@@ -40,6 +40,12 @@ class EngineSettings(BaseSettings):
     shared_prefix_attention: bool = Field(
         True, description="decode rows sharing a prefix attend to it once (one batched matmul, merged by LSE)"
     )
+    attention_kernel: Literal["auto", "native", "torch"] = Field(
+        "auto",
+        description="decode attention: native = the C++ paged-decode kernel (reads KV blocks in place; built by "
+        "`python -m parrot.engine.kernels`, error if unavailable), torch = gather + SDPA, auto = native on the "
+        "CPU when built, else torch",
+    )
     seed: int = Field(0, description="base seed for sampling without an explicit per-request seed")
     random_model: Literal["tiny"] | None = Field(
         None, description="TESTS ONLY: a tiny random-weight LLaMA with the default tokenizer instead of `model`",

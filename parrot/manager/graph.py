@@ -62,7 +62,8 @@ class PlaceholderBinding:
 
 @dataclass
 class RequestTimes:
-    """Wall-clock (time.time) milestones of a request; None until reached."""
+    """Milestones of a request on the graph's clock (the manager's: wall-clock seconds in a server, virtual time in
+    the simulator); None until reached."""
 
     submitted: float
     dispatched: float | None = None  # inputs ready and handed to an engine

@@ -93,21 +93,28 @@ class DagDump:
 
 
 class Manager:
+    """``clock`` is the one clock of every timestamp the manager keeps: session TTLs, app and queue order,
+    latency deadlines, DAG milestones, prefix-context grace periods. It is handed to each component at
+    construction. Wall-clock seconds (``time.time``) in a server, where deadlines and DAG timestamps are
+    absolute; the simulator passes its virtual clock, so every one of them is simulated time."""
+
     def __init__(self, registry: EngineRegistry, *, policy: Policy | None = None,
-                 config: ManagerConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 config: ManagerConfig | None = None, clock: Callable[[], float] = time.time) -> None:
         self.config = config or ManagerConfig()
         self.registry = registry
+        self.clock = clock
         self.prefix_store = PrefixStore()
-        self.deduction = PerfDeduction()
+        self.deduction = PerfDeduction(clock=clock)
         self.dispatcher = Dispatcher(registry, policy or make_policy(self.config.policy, self.config.capacity_config()),
                                      prefix_lookup=self.prefix_store.engine_prefix_tokens,
-                                     info_lookup=self.deduction.info)
+                                     info_lookup=self.deduction.info, clock=clock)
         self.sharing = PrefixSharing(self.prefix_store, registry, self.config.sharing_config(), clock=clock)
         self.sessions = SessionStore(default_ttl_s=self.config.session_ttl_s,
                                      max_ttl_s=self.config.max_session_ttl_s, max_sessions=self.config.max_sessions,
                                      max_nodes_per_session=self.config.max_nodes_per_session, clock=clock)
         self.executor = GraphExecutor(self.dispatcher, self.prefix_store, sharing=self.sharing,
-                                      on_activity=self.sessions.touch, max_attempts=self.config.max_attempts)
+                                      on_activity=self.sessions.touch, clock=clock,
+                                      max_attempts=self.config.max_attempts)
         self._background: list[asyncio.Task] = []
 
     # ---- lifecycle ------------------------------------------------------------------------------------------

@@ -36,7 +36,8 @@ from parrot.manager.perf import PerfCriteria
 
 @dataclass(frozen=True)
 class PerfTargets:
-    """Optional latency targets of a fetch. ``deadline`` is absolute, on the deduction's clock (time.time)."""
+    """Optional latency targets of a fetch. ``deadline`` is absolute, on the deduction's clock (the manager's:
+    ``time.time`` in a server)."""
 
     ttft_s: float | None = None
     tpot_s: float | None = None
@@ -196,6 +197,9 @@ class _App:
     depth: dict[str, int] = field(default_factory=dict)
     labels: dict[str, RequestLabel] = field(default_factory=dict)
     annotated: bool = False  # some variable of the session carries a criterion
+    # SchedInfo per request, built on first query; emptied whenever depth or labels change (the dispatcher
+    # asks for every queued and placed request in every scheduling round)
+    infos: dict[str, SchedInfo] = field(default_factory=dict)
 
 
 class PerfDeduction:
@@ -235,6 +239,7 @@ class PerfDeduction:
         request. Returns True if the session's labels changed."""
         app = self._app(graph.session_id)
         app.depth[req.request_id] = 1 + max((app.depth.get(p, 0) for p in _producers(graph, req)), default=-1)
+        app.infos.pop(req.request_id, None)
         if not app.annotated:
             return False
         feeds = any(graph.variables[v].perf is not None or
@@ -247,6 +252,7 @@ class PerfDeduction:
         app.depth = depths
         changed = labels != app.labels
         app.labels = labels
+        app.infos.clear()
         return changed
 
     # ---- queries ------------------------------------------------------------------------------------------
@@ -254,7 +260,11 @@ class PerfDeduction:
         app = self._apps.get(session_id)
         if app is None:
             return SchedInfo(app_order=self._clock())
-        return SchedInfo(app.labels.get(request_id), app.depth.get(request_id, 0), app.app_order)
+        info = app.infos.get(request_id)
+        if info is None:
+            info = app.infos[request_id] = SchedInfo(app.labels.get(request_id), app.depth.get(request_id, 0),
+                                                     app.app_order)
+        return info
 
     def label(self, session_id: str, request_id: str) -> RequestLabel | None:
         app = self._apps.get(session_id)

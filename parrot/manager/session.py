@@ -23,8 +23,8 @@ class Session:
     token: str
     ttl_s: float
     graph: Graph
-    last_access: float  # monotonic clock of the store
-    created_at: float = field(default_factory=time.time)
+    last_access: float  # the store's clock
+    created_at: float  # the store's clock
     # asyncio tasks executing requests of this session (removed when done)
     tasks: set[asyncio.Task] = field(default_factory=set)
     # live engine contexts owned by the session: context id -> engine name (freed by whoever removes them)
@@ -36,10 +36,11 @@ class Session:
 
 
 class SessionStore:
-    """Owns the session table. ``clock`` is monotonic (TTL arithmetic); tests inject a fake one."""
+    """Owns the session table. ``clock`` times TTLs and is handed to every session's graph (DAG timestamps);
+    the manager passes its own, tests inject a fake one."""
 
     def __init__(self, *, default_ttl_s: float = 600.0, max_ttl_s: float = 86_400.0, max_sessions: int = 10_000,
-                 max_nodes_per_session: int = 10_000, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_nodes_per_session: int = 10_000, clock: Callable[[], float] = time.time) -> None:
         if not 0 < default_ttl_s <= max_ttl_s:
             raise ValueError(f"default_ttl_s must be in (0, max_ttl_s={max_ttl_s}], got {default_ttl_s}")
         self.default_ttl_s = default_ttl_s
@@ -56,8 +57,10 @@ class SessionStore:
         if len(self._sessions) >= self.max_sessions:
             raise InvalidRequestError(f"too many open sessions (limit {self.max_sessions}); delete unused ones")
         sid = "s_" + secrets.token_urlsafe(18)
+        now = self.clock()
         session = Session(session_id=sid, token=secrets.token_urlsafe(32), ttl_s=ttl,
-                          graph=Graph(sid, max_nodes=self.max_nodes_per_session), last_access=self.clock())
+                          graph=Graph(sid, max_nodes=self.max_nodes_per_session, clock=self.clock), last_access=now,
+                          created_at=now)
         self._sessions[sid] = session
         return session
 

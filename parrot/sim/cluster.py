@@ -14,13 +14,16 @@ Build a :class:`SimCluster` inside a running :class:`~parrot.sim.vloop.VirtualEv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from parrot.api.completions import CompletionService
 from parrot.api.schemas import CompletionRequest
 from parrot.bench.apps import OUT, App, Const, FromStep
 from parrot.common.template import parse_template, render_template
+from parrot.engine.local_client import LocalEngineClient
 from parrot.manager.dispatcher import Policy
 from parrot.manager.engine_registry import EngineRegistry
 from parrot.manager.graph import VarStatus
@@ -79,13 +82,11 @@ class SimCluster:
                               throughput_cap_tokens=config.throughput_cap_tokens or self.cost.kv_cache_tokens,
                               prefix_sharing=config.prefix_sharing, heartbeat_interval_s=5.0,
                               max_sessions=1_000_000, session_ttl_s=86_400.0, max_long_poll_s=GET_POLL_S)
-        self.registry = EngineRegistry(self.engines, clock=self.clock)
+        # the manager reaches each engine through the builtin engine's in-process client
+        self.registry = EngineRegistry([LocalEngineClient(e, owns_engine=False) for e in self.engines],
+                                       clock=self.clock)
+        # the manager hands its clock to every component (sessions, DAGs, queue order, deduction, sharing)
         self.manager = Manager(self.registry, policy=policy, config=mconf, clock=self.clock)
-        # The Manager passes its clock to the session store and prefix sharing only; the dispatcher (queue
-        # order), the executor (first-token times) and each session's graph (DAG timestamps) default to
-        # time.time. Point them at the virtual clock so every timestamp is simulated time.
-        self.manager.dispatcher._clock = self.clock
-        self.manager.executor._clock = self.clock
         self.completions = CompletionService(self.manager.dispatcher)
         self._rng = random.Random(f"rtt:{config.seed}")
         self.model_name = self.engines[0].model_name
@@ -96,7 +97,7 @@ class SimCluster:
     async def stop(self) -> None:
         await self.manager.stop()
         for e in self.engines:
-            await e.close()
+            e.shutdown()
 
     async def __aenter__(self) -> "SimCluster":
         await self.start()
@@ -110,21 +111,26 @@ class SimCluster:
         low, high = self.config.latency_ms
         return self._rng.uniform(low, high) / 1000.0
 
-    def create_session(self) -> Session:
-        session = self.manager.create_session()
-        session.graph._clock = self.clock  # see __init__: DAG timestamps in virtual time
-        return session
-
     # ---- Parrot driver ----------------------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def _client_session(self, rtt: bool) -> AsyncIterator[Session]:
+        """One client program's session: half a round trip to reach the service, the session (deleted at the
+        end), the other half back."""
+        trip = self.sample_rtt() if rtt else 0.0
+        await asyncio.sleep(trip / 2)
+        session = self.manager.create_session()
+        try:
+            yield session
+        finally:
+            await self.manager.delete_session(session)
+        await asyncio.sleep(trip / 2)
+
     async def run_parrot_app(self, app: App, criteria: str = "latency", *, rtt: bool = True) -> float:
         """Declare the app's DAG with pending inputs, get the final output with ``criteria`` (perf deduction
         labels every step), set the inputs, wait for the final value. Returns virtual end-to-end seconds."""
         t0 = self.clock()
-        trip = self.sample_rtt() if rtt else 0.0
-        await asyncio.sleep(trip / 2)
         m = self.manager
-        session = self.create_session()
-        try:
+        async with self._client_session(rtt) as session:
             inputs: list[tuple[str, str]] = []
             outputs: dict[str, str] = {}
             for step in app.steps:
@@ -137,8 +143,7 @@ class SimCluster:
                     else:
                         assert isinstance(ref, FromStep)
                         holders.append(PlaceholderSpec(key, False, outputs[ref.step]))
-                holders.append(PlaceholderSpec(OUT, True, None, {"max_tokens": app.output_len, "ignore_eos": True,
-                                                                 "temperature": 0.0, "stop": []}))
+                holders.append(_fixed_output(OUT, app.output_len))
                 req = m.submit(session, SubmitSpec(step.template, holders, name=f"{app.name}_{step.name}"))
                 outputs[step.name] = req.outputs[0]
             final = outputs[app.final]
@@ -146,29 +151,19 @@ class SimCluster:
             for var_id, text in inputs:
                 m.set_variable(session, var_id, text)
             await self.wait_value(session, final)
-        finally:
-            await m.delete_session(session)
-        await asyncio.sleep(trip / 2)
         return self.clock() - t0
 
     async def run_parrot_call(self, template: str, inputs: dict[str, str], max_tokens: int, *,
                               criteria: str = "latency", rtt: bool = True, output: str = OUT) -> CallResult:
         """One semantic call in its own session (inputs given as values), fetched with ``criteria``."""
         t0 = self.clock()
-        trip = self.sample_rtt() if rtt else 0.0
-        await asyncio.sleep(trip / 2)
         m = self.manager
-        session = self.create_session()
-        try:
+        async with self._client_session(rtt) as session:
             holders = [PlaceholderSpec(k, False, m.create_variable(session, k, v).var_id) for k, v in inputs.items()]
-            holders.append(PlaceholderSpec(output, True, None, {"max_tokens": max_tokens, "ignore_eos": True,
-                                                                "temperature": 0.0, "stop": []}))
+            holders.append(_fixed_output(output, max_tokens))
             req = m.submit(session, SubmitSpec(template, holders))
             await m.get_variable(session, req.outputs[0], criteria=criteria, timeout_s=0.0)
             text = await self.wait_value(session, req.outputs[0])
-        finally:
-            await m.delete_session(session)
-        await asyncio.sleep(trip / 2)
         return CallResult(self.clock() - t0, max_tokens, text)
 
     async def wait_value(self, session: Session, var_id: str) -> str:
@@ -221,3 +216,9 @@ class SimCluster:
         return {e.name: {"steps": e.num_steps, "busy_s": round(e.busy_s, 3), "tokens": e.num_tokens_computed,
                          "preemptions": e.scheduler.num_preemptions, "prefix_hit_blocks": e.pool.num_hit_blocks}
                 for e in self.engines}
+
+
+def _fixed_output(name: str, max_tokens: int) -> PlaceholderSpec:
+    """An output of exactly ``max_tokens`` tokens, as the benchmark apps declare them."""
+    return PlaceholderSpec(name, True, None, {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0,
+                                              "stop": []})

@@ -44,6 +44,10 @@ def profile_engine(settings=None, plan: ProfilePlan = ProfilePlan(), seed: int =
     from parrot.engine.settings import EngineSettings
 
     settings = settings or EngineSettings()
+    load_before = os.getloadavg()
+    if load_before[0] > 0.5:
+        log.warning("profile: load average %.2f: other processes on this machine slow every sample down (the "
+                    "cost model then overstates the engine's time); profile on a quiet machine", load_before[0])
     t_load = time.perf_counter()
     engine = build_engine(settings)
     log.info("profile: engine up in %.1f s", time.perf_counter() - t_load)
@@ -120,6 +124,8 @@ def profile_engine(settings=None, plan: ProfilePlan = ProfilePlan(), seed: int =
                       f"{settings.resolved_weight_quant}, block {engine.pool.block_size}, max_batch_tokens "
                       f"{engine.scheduler.max_batch_tokens}",
             "plan": repr(plan),
+            "load_average": f"{load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after (1 min; samples are "
+                            "slower when other processes run)",
             "fit_relative_error": f"median {statistics.median(errs):.1%}, max {max(errs):.1%} over {len(samples)} "
                                   "samples",
             "samples": [[s.prefill_tokens, s.prefill_attn, s.decode_seqs, s.decode_ctx, round(s.seconds, 6)]

@@ -10,8 +10,9 @@ The flat batch of one iteration is
     | decode group 0 (plain) | decode group 1 (share prefix A) | group 2 (prefix B) | prefill 0 | prefill 1 | ...
 
 Every layer first writes the new K/V of all T tokens into their slots (one index_copy), then:
-  * a plain decode group: gather each sequence's blocks (padded to the longest, masked), one batched SDPA
-    with grouped-query heads;
+  * a plain decode group: the native paged-decode kernel (parrot/engine/kernels) reads each sequence's blocks
+    where they lie; without it, gather each sequence's blocks (padded to the longest, masked) and run one
+    batched SDPA with grouped-query heads;
   * a shared-prefix decode group (sequences whose block tables start with the same P full blocks, e.g. forks
     of one context): the prefix K/V is read ONCE and all m queries of the group attend to it in one matmul
     (as m*G query rows per KV head), giving partial outputs and log-sum-exp; each sequence then attends to its
@@ -27,6 +28,7 @@ Every layer first writes the new K/V of all T tokens into their slots (one index
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -64,15 +66,43 @@ class BlockRef:
 @dataclass
 class DecodeGroup:
     """Decode rows [row0, row0 + num_rows). ``prefix`` (shared, ``prefix_len`` tokens) is None for a plain
-    group; ``suffix`` holds each row's blocks after the prefix, ``suffix_len`` = longest suffix in tokens."""
+    group. ``table`` holds each row's blocks after the prefix (int32 [m, max_blocks], padded with block 0) and
+    ``lens`` each row's token count after the prefix, incl. the new token (int32 [m]); ``suffix_len`` = the
+    longest. The native kernel reads exactly that; the torch path gathers the table's blocks and masks the
+    padding (``suffix`` / ``suffix_mask``, built on first use)."""
 
     row0: int
     num_rows: int
     prefix: BlockRef | None
     prefix_len: int
-    suffix: BlockRef
+    table: torch.Tensor
+    lens: torch.Tensor
     suffix_len: int
-    suffix_mask: torch.Tensor | None  # [m, 1, 1, suffix_len]: bool for plain groups, additive for shared ones
+    _suffix: BlockRef | None = None
+    _mask: torch.Tensor | None = None
+    _mask_built: bool = False
+
+    @property
+    def suffix(self) -> BlockRef:
+        if self._suffix is None:
+            self._suffix = BlockRef(self.table.view(-1).long(), self.num_rows)
+        return self._suffix
+
+    def suffix_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """None when all rows have ``suffix_len`` tokens, else [m, 1, 1, suffix_len]: bool for a plain group,
+        additive in ``dtype`` for a shared-prefix group (the flash kernel with LSE wants it so)."""
+        if not self._mask_built:
+            self._mask_built = True
+            if int(self.lens.min()) != self.suffix_len:
+                keep = torch.arange(self.suffix_len, device=self.table.device).unsqueeze(0) < \
+                    self.lens.to(self.table.device).unsqueeze(1)
+                keep = keep.view(self.num_rows, 1, 1, self.suffix_len)
+                if self.prefix is None:
+                    self._mask = keep
+                else:
+                    self._mask = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(
+                        ~keep, float("-inf"))
+        return self._mask
 
 
 @dataclass
@@ -94,8 +124,10 @@ class PagedAttention:
         decode_groups: list[DecodeGroup],
         prefills: list[PrefillMeta],
         scale: float,
+        decode_kernel: Callable | None = None,
     ) -> None:
         self.kv_caches = kv_caches
+        self.decode_kernel = decode_kernel
         self.slots = slots
         self.decode_groups = decode_groups
         self.prefills = prefills
@@ -111,10 +143,13 @@ class PagedAttention:
         outs: list[torch.Tensor] = []
         for g in self.decode_groups:
             qg = q[g.row0 : g.row0 + g.num_rows]
-            if g.prefix is None:
+            if g.prefix is None and self.decode_kernel is not None:
+                od, _ = self.decode_kernel(qg, k_cache, v_cache, g.table, g.lens, self.scale, False)
+                outs.append(od.view(g.num_rows, n_heads * hd))
+            elif g.prefix is None:
                 kd = g.suffix.read(k_cache)[:, : g.suffix_len].transpose(1, 2)
                 vd = g.suffix.read(v_cache)[:, : g.suffix_len].transpose(1, 2)
-                od = F.scaled_dot_product_attention(qg.unsqueeze(2), kd, vd, attn_mask=g.suffix_mask,
+                od = F.scaled_dot_product_attention(qg.unsqueeze(2), kd, vd, attn_mask=g.suffix_mask(qg.dtype),
                                                     scale=self.scale, enable_gqa=gqa)
                 outs.append(od.reshape(g.num_rows, n_heads * hd))
             else:
@@ -146,9 +181,13 @@ class PagedAttention:
         op = op.view(n_kv, m, G, hd).permute(1, 0, 2, 3)  # [m, n_kv, G, hd]
         lp = lp.view(n_kv, m, G).permute(1, 0, 2)  # [m, n_kv, G]
         # suffix: each row against its own blocks (G query rows per KV head, padding masked)
-        ks = g.suffix.read(k_cache)[:, : g.suffix_len].transpose(1, 2)
-        vs = g.suffix.read(v_cache)[:, : g.suffix_len].transpose(1, 2)
-        os_, ls = _flash_with_lse(q4, ks, vs, 0.0, False, attn_mask=g.suffix_mask, scale=self.scale)
+        if self.decode_kernel is not None:
+            os_, ls = self.decode_kernel(qg, k_cache, v_cache, g.table, g.lens, self.scale, True)
+            os_, ls = os_.view(m, n_kv, G, hd), ls.view(m, n_kv, G)
+        else:
+            ks = g.suffix.read(k_cache)[:, : g.suffix_len].transpose(1, 2)
+            vs = g.suffix.read(v_cache)[:, : g.suffix_len].transpose(1, 2)
+            os_, ls = _flash_with_lse(q4, ks, vs, 0.0, False, attn_mask=g.suffix_mask(qg.dtype), scale=self.scale)
         lse = torch.logaddexp(lp, ls)
         out = op.float() * (lp - lse).exp_().unsqueeze(-1) + os_.float() * (ls - lse).exp_().unsqueeze(-1)
         return out.to(qg.dtype).reshape(m, n_heads * hd)

@@ -1,4 +1,5 @@
-"""Bias-free linear layer with an optional int8 weight-only kernel, picked per call by the number of rows.
+"""Bias-free linear layer with optional weight-only int8/int4 kernels and pre-packed bf16 weights, picked per
+call by the number of rows.
 
 Weight-only int8 (``weight_quant="int8"``): per-output-channel symmetric quantization
 
@@ -21,6 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from parrot.engine.layers.int4 import INT4_GROUP, quantize_int4
+from parrot.engine.layers.packed import (DECODE_PACK_MAX_ROWS, DECODE_PACK_ROWS, PREFILL_PACK_ROWS, pack_weight,
+                                         packed_linear)
 
 WEIGHT_QUANTS = ("none", "int8", "int4")
 # Measured on the dev box (SmolLM2 shapes, bf16 activations): int8 beats the dense kernel up to 4 rows
@@ -28,6 +31,9 @@ WEIGHT_QUANTS = ("none", "int8", "int4")
 INT8_MAX_ROWS = 4
 # int4 (group 32) GEMV streams half of int8's bytes; like int8 it loses to the dense GEMM beyond a few rows
 INT4_MAX_ROWS = 4
+# ... and to a pre-packed bf16 weight (layers/packed.py) from 2 rows on (measured: 331 vs 229 us at 1 row for
+# the 576 x 3072 gate/up, 343 vs 429 us at 4 rows)
+INT4_MAX_ROWS_PACKED = 1
 _INT8_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -62,18 +68,23 @@ def quantize_int8(weight: Tensor, scale_dtype: torch.dtype) -> tuple[Tensor, Ten
 
 
 class FastLinear(nn.Module):
-    """``y = x @ W.T`` for 2-D ``x`` [rows, in_features]; no bias.
+    """``y = x @ W.T`` for 2-D ``x`` [rows, in_features]; no bias. Three kernels, picked per call by row count:
 
-    Buffers: ``weight`` (dense, compute dtype) unless dropped, and for a quantized layer ``qweight`` plus
-    ``scales`` (int8: [N] per-row scales; int4: [K/32, N, 2] group scales and zeros, see layers/int4.py).
-    Rows <= ``quant_max_rows`` run the quantized kernel (bandwidth-bound decode), more rows the dense GEMM."""
+        rows <= quant_max_rows          quantized weight-only kernel (bandwidth-bound decode of a few rows)
+        rows <= DECODE_PACK_MAX_ROWS    bf16 weight packed for DECODE_PACK_ROWS rows   (``pack=True``)
+        more rows                       bf16 weight packed for PREFILL_PACK_ROWS rows  (``pack=True``)
+        (without packing: the dense ``F.linear``)
+
+    Buffers: ``weight`` (dense, compute dtype; dropped when packed -- ``dense_weight()`` unpacks on demand),
+    ``qweight`` and ``scales`` for a quantized layer (int8: [N] per-row scales; int4: [K/32, N, 2] group scales
+    and zeros, see layers/int4.py). The packed weights are opaque mkldnn tensors kept as plain attributes."""
 
     weight: Tensor | None
     qweight: Tensor | None
     scales: Tensor | None
 
     def __init__(self, weight: Tensor, *, dtype: torch.dtype, quant: str = "none",
-                 quant_max_rows: int | None = None) -> None:
+                 quant_max_rows: int | None = None, pack: bool = False) -> None:
         super().__init__()
         if quant not in WEIGHT_QUANTS:
             raise ValueError(f"weight_quant must be one of {WEIGHT_QUANTS}, got {quant!r}")
@@ -84,10 +95,15 @@ class FastLinear(nn.Module):
         if quant == "none":
             self.quant_max_rows = None
         elif quant_max_rows is None:
-            self.quant_max_rows = INT4_MAX_ROWS if quant == "int4" else INT8_MAX_ROWS
+            self.quant_max_rows = (INT4_MAX_ROWS_PACKED if pack else INT4_MAX_ROWS) if quant == "int4" \
+                else INT8_MAX_ROWS
         else:
             self.quant_max_rows = quant_max_rows
-        self.register_buffer("weight", weight.to(dtype).contiguous())
+        dense = weight.to(dtype).contiguous()
+        self.dtype = dense.dtype
+        self.packed_decode = pack_weight(dense, DECODE_PACK_ROWS) if pack else None
+        self.packed_prefill = pack_weight(dense, PREFILL_PACK_ROWS) if pack else None
+        self.register_buffer("weight", None if pack else dense)
         # the dtype the quantized kernel runs in (its scales must match the activations)
         self.int8_dtype = int8_compute_dtype(dtype) if quant == "int8" else dtype
         if quant == "int8":
@@ -100,18 +116,21 @@ class FastLinear(nn.Module):
         self.register_buffer("scales", None if scales is None else scales.to(weight.device))
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.qweight is None or x.shape[0] > self.quant_max_rows:
-            return F.linear(x, self.weight)
-        if self.quant == "int4":
-            return torch._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP, self.scales)
-        if x.dtype == self.int8_dtype:
-            return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
-        return torch.ops.aten._weight_int8pack_mm(x.to(self.int8_dtype), self.qweight, self.scales).to(x.dtype)
+        rows = x.shape[0]
+        if self.qweight is not None and rows <= self.quant_max_rows:
+            if self.quant == "int4":
+                return torch._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP, self.scales)
+            if x.dtype == self.int8_dtype:
+                return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+            return torch.ops.aten._weight_int8pack_mm(x.to(self.int8_dtype), self.qweight, self.scales).to(x.dtype)
+        if self.packed_decode is not None:
+            return packed_linear(x, self.packed_decode if rows <= DECODE_PACK_MAX_ROWS else self.packed_prefill)
+        return F.linear(x, self.weight)
 
     def dense_weight(self) -> Tensor:
         """The weight as a dense tensor in the compute dtype."""
-        return self.weight
+        return self.weight if self.weight is not None else self.packed_decode.to_dense()
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, quant={self.quant}, "
-                f"quant_max_rows={self.quant_max_rows}")
+                f"quant_max_rows={self.quant_max_rows}, packed={self.packed_decode is not None}")

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from parrot.engine.config import ModelConfig, read_model_config
 from parrot.engine.layers.int4 import int4_kernel_available
 from parrot.engine.layers.linear import WEIGHT_QUANTS, FastLinear, int8_compute_dtype, int8_kernel_available
+from parrot.engine.layers.packed import packed_gemm_available
 from parrot.engine.layers.rotary import RotaryEmbedding
 from parrot.engine.loader import iter_weights, to_hf_layout
 from parrot.engine.model_files import resolve_model_path
@@ -58,7 +59,7 @@ class LlamaDecoderLayer(nn.Module):
         self.eps = config.rms_norm_eps
         self.register_buffer("input_norm", input_norm)  # float32, like the residual stream
         self.register_buffer("post_norm", post_norm)
-        self.compute_dtype = qkv_proj.dense_weight().dtype
+        self.compute_dtype = qkv_proj.dtype
         self.qkv_proj, self.o_proj = qkv_proj, o_proj
         self.gate_up_proj, self.down_proj = gate_up_proj, down_proj
 
@@ -175,8 +176,10 @@ def assemble_model(config: ModelConfig, weights: Iterable[tuple[str, Tensor]], *
     parts: list[dict[str, Tensor | FastLinear]] = [{} for _ in range(config.num_layers)]
     globals_: dict[str, Tensor] = {}
 
+    pack = packed_gemm_available(device, dtype)
+
     def linear(w: Tensor) -> FastLinear:
-        return FastLinear(w.to(device), dtype=dtype, quant=weight_quant)
+        return FastLinear(w.to(device), dtype=dtype, quant=weight_quant, pack=pack)
 
     for name, tensor in weights:
         if name.startswith("model.layers."):
@@ -217,7 +220,7 @@ def assemble_model(config: ModelConfig, weights: Iterable[tuple[str, Tensor]], *
     # int4 stays off the head: GGUFs store it (token_embd) as Q8_0 or better, so 4-bit codes would lose
     # precision there (and flip borderline greedy tokens); int4 is exact only for the Q4_1 layer weights.
     lm_head = FastLinear(embed if config.tie_word_embeddings else head_f32.to(device), dtype=dtype,
-                         quant="none") if weight_quant in ("none", "int4") else linear(head_f32)
+                         quant="none", pack=pack) if weight_quant in ("none", "int4") else linear(head_f32)
     layers = [LlamaDecoderLayer(config, i, **p) for i, p in enumerate(parts)]
     return LlamaForCausalLM(config, embed_tokens=embed, layers=layers,
                             norm=globals_["model.norm.weight"].to(device=device, dtype=torch.float32), lm_head=lm_head)

@@ -1,0 +1,430 @@
+"""EngineCore: the builtin engine's op lifecycle and step logic, without torch, threads or a clock of its own.
+
+The public calls (fill / generate / free_context / set_token_cap / pin_prefix) validate their arguments in the
+caller and hand a command to the engine's *owner*, which runs commands only between steps and is the only
+writer of contexts, ops, the block pool and the scheduler. One owner turn::
+
+    commands                          # ops queued on their contexts, contexts forked / freed, caps set
+    plan = core.next_plan()           # the scheduler's batch plan (None: nothing runnable)
+    out = runner.execute(plan)        # a StepOutput: a model forward + sampling, or the simulator's synthetic one
+    core.apply(out)                   # tokens computed, prefix blocks registered, tokens sampled, ops finished
+
+Two owners exist: :class:`~parrot.engine.engine.LLMEngine` (a thread, wall clock, the torch ModelRunner) and
+:class:`~parrot.sim.engine.SimEngine` (an asyncio task on the virtual clock, a cost model instead of a forward).
+An op is QUEUED behind its context's active op, then WAITING / RUNNING in the scheduler, then FINISHED or
+FAILED; its result leaves through its callbacks, which settle the caller's future (``concurrent.futures`` or
+asyncio: both have done / set_result / set_exception).
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from parrot.common.errors import (
+    ContextExists,
+    ContextLengthExceeded,
+    EngineError,
+    InvalidRequestError,
+    ParrotError,
+    UnknownContext,
+)
+from parrot.common.sampling import FinishReason, SamplingParams
+from parrot.engine.context import Context, Op, OpKind, OpStatus
+from parrot.engine.interface import EngineStatus, FillResult, GenerateResult
+from parrot.engine.kv_cache.block_pool import BlockPool, chain_hashes
+from parrot.engine.scheduler.scheduler import BatchPlan, Scheduler, TooLargeForPool
+from parrot.engine.stopping import StopChecker
+
+log = logging.getLogger(__name__)
+
+ChunkCallback = Callable[[list[int], str, FinishReason | None], None]
+Command = Callable[[], None]
+
+
+class ResultFuture(Protocol):
+    """What the core settles: a ``concurrent.futures.Future`` (engine thread) or an ``asyncio.Future``."""
+
+    def done(self) -> bool: ...
+
+    def set_result(self, result: object) -> None: ...
+
+    def set_exception(self, exception: BaseException) -> None: ...
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one iteration produced, for :meth:`EngineCore.apply`."""
+
+    computed: tuple[tuple[Context, int], ...]  # (context, tokens newly computed)
+    # contexts whose end was reached this step, with the runner's opaque handle on the last token's hidden state
+    # (a tensor in the builtin engine; stored in Context.last_hidden so a later Generate can sample from it)
+    last_hidden: tuple[tuple[Context, object], ...]
+    sampled: tuple[tuple[Op, int], ...]  # (generate op, new token)
+
+
+class StepRunner(Protocol):
+    """Runs a batch plan: the torch ModelRunner, or the simulator's synthetic runner."""
+
+    num_shared_prefix_rows: int  # decode rows served by the shared-prefix attention path (a metric)
+
+    def execute(self, plan: BatchPlan) -> StepOutput: ...
+
+
+class EngineCore(abc.ABC):
+    """The engine state machine. Subclasses supply the owner: how a command reaches it and the future type."""
+
+    def __init__(self, *, name: str, model_name: str, runner: StepRunner, pool: BlockPool, scheduler: Scheduler,
+                 tokenizer, max_model_len: int, clock: Callable[[], float], cached_status: bool) -> None:
+        """``cached_status``: callers run on other threads than the owner, so :meth:`status` answers the snapshot
+        the owner takes after each turn and each status-changing command; otherwise it snapshots on call."""
+        self.name = name
+        self.model_name = model_name
+        self.runner = runner
+        self.pool = pool
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.clock = clock  # op arrival (FCFS order), context LRU, first-token and latency times
+        self.eos_token_ids = tuple(tokenizer.eos_token_ids)
+        self.contexts: dict[str, Context] = {}
+        self._pins: dict[int, list[int]] = {}  # last chain hash of a pinned prefix -> its pinned blocks
+        self.num_steps = 0
+        self.num_tokens_computed = 0
+        self._cached_status = cached_status
+        self._status = self.snapshot()
+
+    # ---- the owner ---------------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def _new_future(self) -> ResultFuture:
+        """A future of the kind the owner's callers wait on."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stop the owner; calls made afterwards raise EngineError."""
+
+    @abc.abstractmethod
+    def _submit(self, cmd: Command) -> None:
+        """Have the owner run ``cmd`` between steps (it never raises: errors settle the command's future).
+        Raises EngineError if the engine is shut down."""
+
+    # ---- public API (any caller of the owner) ----------------------------------------------------------------
+    def fill(self, token_ids: list[int], context_id: str, parent_context_id: str | None = None) -> ResultFuture:
+        toks = self._check_tokens(token_ids)
+
+        def cmd(fut: ResultFuture) -> None:
+            ctx = self._get_or_fork(context_id, parent_context_id)
+            self._enqueue(self._new_op(fut, OpKind.FILL, ctx, new_tokens=toks))
+
+        return self._command(cmd)
+
+    def generate(self, sampling: SamplingParams, context_id: str, parent_context_id: str | None = None,
+                 on_chunk: ChunkCallback | None = None) -> ResultFuture:
+        def cmd(fut: ResultFuture) -> None:
+            ctx = self._get_or_fork(context_id, parent_context_id)
+            self._enqueue(self._new_op(fut, OpKind.GENERATE, ctx, sampling=sampling, on_chunk=on_chunk))
+
+        return self._command(cmd)
+
+    def free_context(self, context_id: str) -> ResultFuture:
+        def cmd(fut: ResultFuture) -> None:
+            ctx = self.contexts.pop(context_id, None)
+            if ctx is None:
+                raise UnknownContext(f"unknown context {context_id!r}", param="context_id")
+            ctx.freed = True
+            for op in ([ctx.active] if ctx.active else []) + list(ctx.pending):
+                self.scheduler.remove(op)
+                op.finish_reason = FinishReason.ABORT
+                self._complete(op, EngineError(f"context {context_id!r} was freed") if op.kind is OpKind.FILL else None,
+                               start_next=False)
+            ctx.pending.clear()
+            ctx.active = None
+            self.scheduler.forget(ctx)
+            Scheduler.drop_kv(self.pool, ctx)
+            ctx.last_hidden = None
+            self.refresh_status()  # callers read status right after a free
+            _settle(fut, None)
+
+        return self._command(cmd)
+
+    def set_token_cap(self, max_running_tokens: int | None) -> ResultFuture:
+        """The global scheduler's cap on running tokens (see Scheduler.token_cap); applied between steps."""
+        if max_running_tokens is not None and (not isinstance(max_running_tokens, int) or max_running_tokens < 1):
+            raise InvalidRequestError(f"max_running_tokens must be a positive integer or null, got "
+                                      f"{max_running_tokens!r}", param="max_running_tokens")
+
+        def cmd(fut: ResultFuture) -> None:
+            self.scheduler.token_cap = max_running_tokens
+            self.refresh_status()
+            _settle(fut, None)
+
+        return self._command(cmd)
+
+    def pin_prefix(self, token_ids: list[int], pinned: bool = True) -> ResultFuture:
+        """Pin (or unpin) the cached KV of a hot token prefix: its full blocks hold one extra reference, so
+        LRU eviction never drops them. Only blocks already cached or in use are pinned (fill the prefix first);
+        the result is the number of blocks now pinned for this prefix."""
+        toks = self._check_tokens(token_ids)
+
+        def cmd(fut: ResultFuture) -> None:
+            hashes = chain_hashes(toks, self.pool.block_size)
+            key = hashes[-1] if hashes else None
+            self.pool.unpin(self._pins.pop(key, []) if key is not None else [])
+            blocks = self.pool.pin(hashes) if pinned and key is not None else []
+            if blocks:
+                self._pins[key] = blocks
+            self.refresh_status()
+            _settle(fut, len(blocks))
+
+        return self._command(cmd)
+
+    def status(self) -> EngineStatus:
+        return self._status if self._cached_status else self.snapshot()
+
+    # ---- commands (owner) ----------------------------------------------------------------------------------------
+    def _command(self, body: Callable[[ResultFuture], None]) -> ResultFuture:
+        fut = self._new_future()
+
+        def guarded() -> None:
+            try:
+                body(fut)
+            except ParrotError as e:
+                if not fut.done():
+                    fut.set_exception(e)
+            except Exception as e:  # a bug: report it to the caller, keep the engine alive
+                log.exception("engine command failed")
+                if not fut.done():
+                    fut.set_exception(EngineError(f"internal engine error: {e!r}"))
+
+        self._submit(guarded)
+        return fut
+
+    def _check_tokens(self, token_ids: list[int]) -> list[int]:
+        vocab = self.tokenizer.vocab_size
+        toks = list(token_ids)
+        for t in toks:
+            if not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidRequestError(f"token id {t!r} is outside the vocabulary [0, {vocab})", param="token_ids")
+        return toks
+
+    def _new_op(self, fut: ResultFuture, kind: OpKind, ctx: Context, **kw) -> Op:
+        op = Op(kind, ctx, arrival=self.clock(), **kw)
+        op.on_done = lambda o, err: self._resolve(fut, o, err)
+        return op
+
+    def _get_or_fork(self, context_id: str, parent_id: str | None) -> Context:
+        ctx = self.contexts.get(context_id)
+        if ctx is not None:
+            if parent_id is not None and parent_id != ctx.parent_id:
+                raise ContextExists(
+                    f"context {context_id!r} exists with parent {ctx.parent_id!r}, not {parent_id!r}", param="context_id"
+                )
+            return ctx
+        if parent_id is None:
+            ctx = Context(context_id, None, last_used=self.clock())
+        else:
+            parent = self.contexts.get(parent_id)
+            if parent is None:
+                raise UnknownContext(f"unknown parent context {parent_id!r}", param="parent_context_id")
+            ctx = self._fork(context_id, parent)
+        self.contexts[context_id] = ctx
+        return ctx
+
+    def _fork(self, context_id: str, parent: Context) -> Context:
+        """Child shares the parent's full computed blocks (incref); the partial tail is recomputed by the child."""
+        bs = self.pool.block_size
+        n_share = parent.num_computed // bs
+        shared = parent.block_table[:n_share]
+        self.pool.incref(shared)
+        now = self.clock()
+        child = Context(context_id, parent.id, tokens=list(parent.tokens), block_table=list(shared),
+                        num_computed=n_share * bs, num_registered=min(n_share, parent.num_registered), last_used=now)
+        if child.num_computed == len(child.tokens):
+            child.last_hidden = parent.last_hidden
+        parent.last_used = now
+        return child
+
+    def _enqueue(self, op: Op) -> None:
+        ctx = op.ctx
+        if ctx.active is None:
+            self._start(op)
+        else:
+            op.status = OpStatus.QUEUED
+            ctx.pending.append(op)
+
+    def _start(self, op: Op) -> None:
+        ctx = op.ctx
+        ctx.active = op
+        op.prompt_len = len(ctx.tokens)
+        if op.kind is OpKind.FILL:
+            if len(ctx.tokens) + len(op.new_tokens) > self.max_model_len:
+                self._complete(op, ContextLengthExceeded(
+                    f"context {ctx.id!r} would hold {len(ctx.tokens) + len(op.new_tokens)} tokens; "
+                    f"the model's window is {self.max_model_len}", param="token_ids"))
+                return
+            op.num_cached = 0
+            ctx.tokens.extend(op.new_tokens)
+            if ctx.num_uncomputed == 0:  # nothing to compute (empty fill)
+                self._complete(op, None)
+                return
+        else:
+            if not ctx.tokens:
+                self._complete(op, InvalidRequestError(f"context {ctx.id!r} is empty: fill it before generating",
+                                                       param="context_id"))
+                return
+            if len(ctx.tokens) >= self.max_model_len:
+                self._complete(op, ContextLengthExceeded(
+                    f"context {ctx.id!r} already holds {len(ctx.tokens)} tokens = the model's window", param="context_id"))
+                return
+            op.decoder = self.tokenizer.incremental_decoder()
+            op.stopper = StopChecker(op.sampling) if op.sampling.stop else None  # None: the text is the pieces
+        self.scheduler.add(op)
+
+    def _complete(self, op: Op, err: BaseException | None, *, start_next: bool = True) -> None:
+        op.status = OpStatus.FAILED if err is not None else OpStatus.FINISHED
+        ctx = op.ctx
+        if ctx.active is op:
+            ctx.active = None
+        ctx.last_used = self.clock()
+        if op.on_done is not None:
+            try:
+                op.on_done(op, err)
+            except Exception:
+                log.exception("op completion callback failed")
+        if start_next and not ctx.freed:
+            while ctx.active is None and ctx.pending:
+                self._start(ctx.pending.popleft())
+            if ctx.active is None:
+                self.scheduler.park(ctx)
+
+    # ---- steps (owner) ---------------------------------------------------------------------------------------
+    def step(self) -> None:
+        """One iteration, run synchronously by the runner."""
+        plan = self.next_plan()
+        if plan is not None:
+            self.apply(self.runner.execute(plan))
+
+    def next_plan(self) -> BatchPlan | None:
+        """The scheduler's plan for the next iteration; None if nothing can run now (no work, or waiting work
+        that cannot be admitted until a command changes something). An op whose context needs more KV than the
+        whole pool fails here with ContextLengthExceeded."""
+        while True:
+            try:
+                plan = self.scheduler.schedule()
+            except TooLargeForPool as e:
+                self.scheduler.remove(e.op)
+                self._complete(e.op, ContextLengthExceeded(str(e), param="kv_cache"))
+                continue
+            return plan if plan.chunks else None
+
+    def apply(self, out: StepOutput) -> None:
+        """Account an executed plan: computed tokens (registering newly full blocks in the prefix cache), stored
+        hidden states, finished fills, sampled tokens."""
+        self.num_steps += 1
+        bs = self.pool.block_size
+        for ctx, n in out.computed:
+            ctx.num_computed += n
+            self.num_tokens_computed += n
+            n_full = ctx.num_computed // bs
+            if n_full > ctx.num_registered:
+                hashes = ctx.block_hashes(n_full, bs)
+                for i in range(ctx.num_registered, n_full):
+                    self.pool.register(ctx.block_table[i], hashes[i])
+                ctx.num_registered = n_full
+        for ctx, h in out.last_hidden:
+            ctx.last_hidden = h
+        now = self.clock()
+        for op in list(self.scheduler.running):
+            if op.kind is OpKind.FILL and op.ctx.num_uncomputed == 0:
+                self.scheduler.remove(op)
+                self._complete(op, None)
+        for op, tok in out.sampled:
+            if op.first_token_time is None:
+                op.first_token_time = now
+            self._on_token(op, tok)
+
+    def _on_token(self, op: Op, tok: int) -> None:
+        ctx = op.ctx
+        sp = op.sampling
+        op.output_ids.append(tok)
+        ctx.tokens.append(tok)
+        ctx.last_hidden = None
+        is_eos = tok in self.eos_token_ids and not sp.ignore_eos
+        is_stop_tok = tok in sp.stop_token_ids
+        piece = "" if (is_eos or is_stop_tok) else op.decoder.push(tok)
+        n = len(op.output_ids)
+        stopper = op.stopper
+        if stopper is None:  # no stop strings: nothing is held back
+            emit_text, finish = piece, None
+            op.output_text += piece
+        else:
+            emit_text, finish = stopper.push(piece, n)
+        if finish is None and (is_eos or is_stop_tok) and n >= sp.min_tokens:
+            finish = FinishReason.STOP
+        if finish is None and (n >= sp.max_tokens or len(ctx.tokens) >= self.max_model_len):
+            finish = FinishReason.LENGTH
+        if stopper is not None:
+            if finish is not None:
+                emit_text += stopper.flush()  # held-back text that did not become a stop string
+            op.output_text = stopper.text
+        if op.on_chunk is not None:
+            try:
+                op.on_chunk([tok], emit_text, finish)
+            except Exception:
+                log.exception("stream callback failed")
+        if finish is not None:
+            op.finish_reason = finish
+            self.scheduler.remove(op)
+            self._complete(op, None)
+
+    def fail_all(self, err: ParrotError) -> None:
+        """Fail every scheduled op (after an internal error in a step) and drop their contexts' KV."""
+        for op in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self.scheduler.remove(op)
+            Scheduler.drop_kv(self.pool, op.ctx)
+            self._complete(op, err)
+
+    # ---- results -----------------------------------------------------------------------------------------------
+    def _resolve(self, fut: ResultFuture, op: Op, err: BaseException | None) -> None:
+        if fut.done():  # the caller gave up (a cancelled wait)
+            return
+        if err is not None:
+            fut.set_exception(err)
+        elif op.kind is OpKind.FILL:
+            fut.set_result(FillResult(op.ctx.id, len(op.new_tokens), len(op.ctx.tokens), op.num_cached))
+        else:
+            now = self.clock()
+            ttft = (op.first_token_time - op.arrival) if op.first_token_time else now - op.arrival
+            fut.set_result(GenerateResult(op.ctx.id, tuple(op.output_ids), op.output_text,
+                                          op.finish_reason or FinishReason.ABORT, op.prompt_len, ttft,
+                                          now - op.arrival))
+
+    def refresh_status(self) -> None:
+        """Owner: take the snapshot :meth:`status` answers (with ``cached_status``)."""
+        if self._cached_status:
+            self._status = self.snapshot()
+
+    def snapshot(self) -> EngineStatus:
+        sch = self.scheduler
+        return EngineStatus(
+            name=self.name, model=self.model_name, max_model_len=self.max_model_len,
+            num_running=len(sch.running), num_waiting=len(sch.waiting),
+            running_tokens=sum(len(o.ctx.tokens) for o in sch.running),
+            waiting_tokens=sum(len(o.ctx.tokens) for o in sch.waiting),
+            kv_blocks_total=self.pool.num_blocks, kv_blocks_used=self.pool.num_used,
+            kv_blocks_shared=self.pool.num_shared, kv_blocks_cached=self.pool.num_cached, block_size=self.pool.block_size,
+            num_contexts=len(self.contexts), num_preempted_total=sch.num_preemptions,
+            extra={"steps": self.num_steps, "tokens_computed": self.num_tokens_computed,
+                   "prefix_cache_hit_blocks": self.pool.num_hit_blocks,
+                   "shared_prefix_decode_rows": self.runner.num_shared_prefix_rows,
+                   "pinned_blocks": self.pool.num_pinned, "kv_blocks_evicted": self.pool.num_evicted,
+                   "token_cap": sch.token_cap},
+        )
+
+
+def _settle(fut: ResultFuture, value: object) -> None:
+    if not fut.done():  # the caller may have cancelled its wait
+        fut.set_result(value)

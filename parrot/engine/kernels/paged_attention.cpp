@@ -1,0 +1,282 @@
+// Paged decode attention on the CPU: one query token per sequence, K/V read in place from the block pool.
+//
+// Layouts (same as parrot/engine/layers/attention.py):
+//
+//     q            [B, H, D]            one new token per sequence (H = KVH * G query heads)
+//     k_cache      [NB, BS, KVH, D]     v_cache alike; token t of sequence b lives in
+//                                       block block_tables[b][t / BS], row t % BS
+//     block_tables [B, MAXB] int32      only the first ceil(seq_lens[b] / BS) entries of a row are read
+//     seq_lens     [B] int32            tokens to attend, >= 1 (the new token's K/V is already written)
+//     out          [B, H, D]            in q's dtype
+//     lse          [B, H] float32       log-sum-exp of the scaled scores (for merging partial attentions)
+//
+// Work item = (sequence b, KV head g): its G query heads share every K/V row load (grouped-query attention).
+// Two passes over the sequence's tokens: scores s[h][t] = scale * q_h . k_t (fp32 accumulate), softmax
+// in place, then out_h = sum_t p[h][t] v_t. Items are spread over torch's intra-op thread pool, so the kernel
+// shares threads with the rest of the model (no second OpenMP runtime). The K/V bytes are read once, where
+// they lie; the gather-then-SDPA path it replaces copies them first.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+struct Problem {
+  int64_t B, H, KVH, G, D, BS, MAXB;
+  int64_t q_sb, q_sh;  // q strides (elements) of the batch and head dims; the D dim is contiguous
+  float scale;
+  const int32_t* tables;
+  const int32_t* lens;
+  float* lse;  // nullptr when not wanted
+};
+
+inline float to_f(float x) { return x; }
+inline float to_f(c10::BFloat16 x) { return static_cast<float>(x); }
+template <typename T>
+inline T from_f(float x) { return static_cast<T>(x); }
+
+// ---- portable path (any D) -------------------------------------------------------------------------------------
+template <typename T>
+void item_scalar(const Problem& p, const T* q, const T* kc, const T* vc, T* out, int64_t b, int64_t g,
+                 std::vector<float>& buf) {
+  const int64_t L = p.lens[b], G = p.G, D = p.D, BS = p.BS, row = p.KVH * D;
+  const int32_t* table = p.tables + b * p.MAXB;
+  buf.assign(G * L + G * D, 0.f);
+  float* s = buf.data();
+  float* acc = s + G * L;
+  for (int64_t t = 0; t < L; ++t) {
+    const T* k = kc + (static_cast<int64_t>(table[t / BS]) * BS + t % BS) * row + g * D;
+    for (int64_t h = 0; h < G; ++h) {
+      const T* qh = q + b * p.q_sb + (g * G + h) * p.q_sh;
+      float dot = 0.f;
+      for (int64_t d = 0; d < D; ++d) dot += to_f(qh[d]) * to_f(k[d]);
+      s[h * L + t] = dot * p.scale;
+    }
+  }
+  for (int64_t h = 0; h < G; ++h) {
+    float* sh = s + h * L;
+    float m = *std::max_element(sh, sh + L), sum = 0.f;
+    for (int64_t t = 0; t < L; ++t) sum += (sh[t] = std::exp(sh[t] - m));
+    for (int64_t t = 0; t < L; ++t) sh[t] /= sum;
+    if (p.lse) p.lse[b * p.H + g * G + h] = m + std::log(sum);
+  }
+  for (int64_t t = 0; t < L; ++t) {
+    const T* v = vc + (static_cast<int64_t>(table[t / BS]) * BS + t % BS) * row + g * D;
+    for (int64_t h = 0; h < G; ++h)
+      for (int64_t d = 0; d < D; ++d) acc[h * D + d] += s[h * L + t] * to_f(v[d]);
+  }
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t d = 0; d < D; ++d) out[(b * p.H + g * G + h) * D + d] = from_f<T>(acc[h * D + d]);
+}
+
+#if defined(__AVX512F__)
+// ---- AVX-512 path: D = 16 * NV, q heads of one KV head held in registers ---------------------------------------
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const c10::BFloat16* x) {  // bf16 -> fp32 is a 16-bit left shift
+  __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+inline void store16(float* x, __m512 v) { _mm512_storeu_ps(x, v); }
+inline void store16(c10::BFloat16* x, __m512 v) {  // round to nearest even, like torch's conversion
+  for (int i = 0; i < 16; ++i) x[i] = c10::BFloat16(reinterpret_cast<const float*>(&v)[i]);
+}
+
+// e^x for x <= 0 (scores minus their max): 2^n * e^r with n = round(x / ln2), |r| <= ln2 / 2, degree-6 Taylor
+// polynomial for e^r (relative error < 2e-7); inputs below -87 flush to 0 like expf.
+inline __m512 exp512(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.0f);
+  __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, lo);
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 split in two for precision
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.0f / 720);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 120));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 24));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 6));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(y, n));
+}
+
+constexpr int kMaxG = 8;
+
+// prefetch n rows of D elements (row stride ``stride`` elements) into L1
+template <typename T, int D>
+inline void prefetch_rows(const T* x, int64_t stride, int64_t n) {
+  constexpr int kLines = (D * static_cast<int>(sizeof(T)) + 63) / 64;
+  for (int64_t j = 0; j < n; ++j)
+    for (int c = 0; c < kLines; ++c)
+      _mm_prefetch(reinterpret_cast<const char*>(x + j * stride) + 64 * c, _MM_HINT_T0);
+}
+
+template <typename T, int NV>
+void item_avx512(const Problem& p, const T* q, const T* kc, const T* vc, T* out, int64_t b, int64_t g,
+                 std::vector<float>& buf) {
+  const int64_t L = p.lens[b], G = p.G, BS = p.BS, row = p.KVH * p.D;
+  constexpr int64_t D = 16 * NV;
+  const int32_t* table = p.tables + b * p.MAXB;
+  const int64_t Lp = (L + 15) & ~int64_t(15);  // per-head score rows padded to whole vectors
+  buf.resize(G * Lp);
+  float* s = buf.data();
+  __m512 qv[kMaxG][NV];
+  const __m512 sc = _mm512_set1_ps(p.scale);
+  for (int64_t h = 0; h < G; ++h) {
+    const T* qh = q + b * p.q_sb + (g * G + h) * p.q_sh;
+    for (int i = 0; i < NV; ++i) qv[h][i] = _mm512_mul_ps(load16(qh + 16 * i), sc);
+  }
+  // pass 1: scores. The blocks are scattered over the pool, which defeats the hardware prefetcher at every
+  // block boundary: prefetch the next block's K rows and this block's V rows (read again in pass 2) by hand.
+  for (int64_t t0 = 0; t0 < L; t0 += BS) {
+    const T* kb = kc + static_cast<int64_t>(table[t0 / BS]) * BS * row + g * D;
+    const int64_t n = std::min(BS, L - t0);
+    if (t0 + BS < L) prefetch_rows<T, D>(kc + static_cast<int64_t>(table[t0 / BS + 1]) * BS * row + g * D, row,
+                                   std::min(BS, L - t0 - BS));
+    prefetch_rows<T, D>(vc + static_cast<int64_t>(table[t0 / BS]) * BS * row + g * D, row, n);
+    for (int64_t j = 0; j < n; ++j) {
+      const T* k = kb + j * row;
+      __m512 kv[NV];
+      for (int i = 0; i < NV; ++i) kv[i] = load16(k + 16 * i);
+      for (int64_t h = 0; h < G; ++h) {
+        __m512 a = _mm512_mul_ps(qv[h][0], kv[0]);
+        for (int i = 1; i < NV; ++i) a = _mm512_fmadd_ps(qv[h][i], kv[i], a);
+        s[h * Lp + t0 + j] = _mm512_reduce_add_ps(a);
+      }
+    }
+  }
+  // softmax per head, in place; the padded tail [L, Lp) of each row is written as 0 by the exp pass
+  const __mmask16 tail = static_cast<__mmask16>((1u << (L & 15)) - 1);
+  for (int64_t h = 0; h < G; ++h) {
+    float* sh = s + h * Lp;
+    __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t t = 0; t < L; t += 16) {
+      __mmask16 mk = (L - t >= 16) ? __mmask16(0xFFFF) : tail;
+      mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, sh + t));
+    }
+    const float m = _mm512_reduce_max_ps(mv);
+    const __m512 mm = _mm512_set1_ps(m);
+    __m512 sv = _mm512_setzero_ps();
+    for (int64_t t = 0; t < Lp; t += 16) {
+      __mmask16 mk = (L - t >= 16) ? __mmask16(0xFFFF) : tail;
+      __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_loadu_ps(sh + t), mm)));
+      _mm512_storeu_ps(sh + t, e);
+      sv = _mm512_add_ps(sv, e);
+    }
+    const float sum = _mm512_reduce_add_ps(sv);
+    const __m512 inv = _mm512_set1_ps(1.0f / sum);
+    for (int64_t t = 0; t < Lp; t += 16) _mm512_storeu_ps(sh + t, _mm512_mul_ps(_mm512_loadu_ps(sh + t), inv));
+    if (p.lse) p.lse[b * p.H + g * G + h] = m + std::log(sum);
+  }
+  // pass 2: out_h = sum_t p[h][t] v_t
+  __m512 acc[kMaxG][NV];
+  for (int64_t h = 0; h < G; ++h)
+    for (int i = 0; i < NV; ++i) acc[h][i] = _mm512_setzero_ps();
+  for (int64_t t0 = 0; t0 < L; t0 += BS) {
+    const T* vb = vc + static_cast<int64_t>(table[t0 / BS]) * BS * row + g * D;
+    const int64_t n = std::min(BS, L - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      const T* v = vb + j * row;
+      __m512 vv[NV];
+      for (int i = 0; i < NV; ++i) vv[i] = load16(v + 16 * i);
+      for (int64_t h = 0; h < G; ++h) {
+        const __m512 w = _mm512_set1_ps(s[h * Lp + t0 + j]);
+        for (int i = 0; i < NV; ++i) acc[h][i] = _mm512_fmadd_ps(w, vv[i], acc[h][i]);
+      }
+    }
+  }
+  for (int64_t h = 0; h < G; ++h)
+    for (int i = 0; i < NV; ++i) store16(out + (b * p.H + g * G + h) * D + 16 * i, acc[h][i]);
+}
+#endif
+
+template <typename T>
+void run(const Problem& p, const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, at::Tensor& out) {
+  const T* qp = q.const_data_ptr<T>();
+  const T* kp = kc.const_data_ptr<T>();
+  const T* vp = vc.const_data_ptr<T>();
+  T* op = out.mutable_data_ptr<T>();
+  const int64_t items = p.B * p.KVH;
+  // an item costs ~ its sequence length; small grains keep both threads busy on a ragged batch
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf;
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t b = it / p.KVH, g = it % p.KVH;
+#if defined(__AVX512F__)
+      if (p.G <= kMaxG) {
+        if (p.D == 64) { item_avx512<T, 4>(p, qp, kp, vp, op, b, g, buf); continue; }
+        if (p.D == 128) { item_avx512<T, 8>(p, qp, kp, vp, op, b, g, buf); continue; }
+        if (p.D == 32) { item_avx512<T, 2>(p, qp, kp, vp, op, b, g, buf); continue; }
+      }
+#endif
+      item_scalar<T>(p, qp, kp, vp, op, b, g, buf);
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
+                                                const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                                const at::Tensor& seq_lens, double scale, bool want_lse) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_decode: bad ranks");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode: CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "paged_decode: q and the caches must share a dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: caches must be contiguous");
+  TORCH_CHECK(q.stride(2) == 1, "paged_decode: q's last dim must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() && block_tables.dim() == 2,
+              "paged_decode: block_tables must be a contiguous int32 [B, MAXB]");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "paged_decode: seq_lens int32");
+  Problem p{};
+  p.B = q.size(0); p.H = q.size(1); p.D = q.size(2);
+  p.BS = k_cache.size(1); p.KVH = k_cache.size(2); p.MAXB = block_tables.size(1);
+  TORCH_CHECK(k_cache.size(3) == p.D && p.H % p.KVH == 0, "paged_decode: head shapes disagree");
+  TORCH_CHECK(block_tables.size(0) == p.B && seq_lens.numel() == p.B, "paged_decode: batch sizes disagree");
+  p.G = p.H / p.KVH;
+  p.q_sb = q.stride(0); p.q_sh = q.stride(1);
+  p.scale = static_cast<float>(scale);
+  p.tables = block_tables.const_data_ptr<int32_t>();
+  p.lens = seq_lens.const_data_ptr<int32_t>();
+  const int64_t nb = k_cache.size(0);
+  for (int64_t b = 0; b < p.B; ++b) {  // bounds: a bad table must raise, never read outside the pool
+    const int64_t L = p.lens[b];
+    TORCH_CHECK(L >= 1 && (L + p.BS - 1) / p.BS <= p.MAXB, "paged_decode: seq_lens out of range");
+    for (int64_t i = 0; i < (L + p.BS - 1) / p.BS; ++i) {
+      const int32_t blk = p.tables[b * p.MAXB + i];
+      TORCH_CHECK(blk >= 0 && blk < nb, "paged_decode: block id out of range");
+    }
+  }
+  at::Tensor out = at::empty({p.B, p.H, p.D}, q.options());
+  at::Tensor lse = at::empty({want_lse ? p.B : 0, p.H}, q.options().dtype(at::kFloat));
+  p.lse = want_lse ? lse.mutable_data_ptr<float>() : nullptr;
+  if (q.scalar_type() == at::kBFloat16) {
+    run<c10::BFloat16>(p, q, k_cache, v_cache, out);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_decode: float32 or bfloat16 only");
+    run<float>(p, q, k_cache, v_cache, out);
+  }
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(parrot_kernels, m) {
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "float scale, bool want_lse) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(parrot_kernels, CPU, m) { m.impl("paged_decode", paged_decode); }

@@ -1,0 +1,152 @@
+"""The engine core (op lifecycle, stop handling, token accounting, context freeing) without torch or threads:
+a synchronous owner and a runner whose sampled tokens follow a script. The builtin engine (LLMEngine) and the
+simulator (SimEngine) are both this core with another owner and runner."""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import Future
+
+import pytest
+
+from parrot.common.errors import ContextLengthExceeded, EngineError, UnknownContext
+from parrot.common.sampling import FinishReason, SamplingParams
+from parrot.engine.core import EngineCore
+from parrot.engine.engine import LLMEngine
+from parrot.engine.kv_cache.block_pool import BlockPool
+from parrot.engine.scheduler.scheduler import Scheduler
+from parrot.sim.cost_model import CostModel
+from parrot.sim.engine import SimEngine
+from parrot.sim.runner import SimRunner
+from parrot.sim.tokenizer import EOS, WordTokenizer
+
+COST = CostModel(name="t", base_s=0.0, prefill_token_s=0.0, prefill_attn_s=0.0, decode_seq_s=0.0, decode_ctx_s=0.0,
+                 swap_block_s=0.0, kv_cache_tokens=1024, block_size=16, max_batch_tokens=64, max_num_seqs=8)
+
+
+WORDS = WordTokenizer()  # scripts are encoded with the engines' tokenizer, so it can decode them
+PROMPT = WORDS.encode("a short prompt of some words")
+
+
+class ScriptedRunner(SimRunner):
+    """The simulator's runner, sampling the i-th token of ``script`` as an op's i-th token."""
+
+    def __init__(self, script: list[int]) -> None:
+        super().__init__(COST, random.Random(0))
+        self.script = script
+
+    def _next_token(self, op) -> int:
+        return self.script[len(op.output_ids)]
+
+
+class SyncEngine(EngineCore):
+    """An owner that runs commands at once and steps only when the test says so."""
+
+    def __init__(self, script: list[int], max_model_len: int = 512) -> None:
+        pool = BlockPool(64, 16)
+        self.now = 0.0
+        super().__init__(name="core", model_name="m", runner=ScriptedRunner(script), pool=pool,
+                         scheduler=Scheduler(pool, 8, 64), tokenizer=WORDS, max_model_len=max_model_len,
+                         clock=lambda: self.now, cached_status=False)
+        self.closed = False
+
+    def _new_future(self) -> Future:
+        return Future()
+
+    def _submit(self, cmd) -> None:
+        cmd()
+
+    def shutdown(self) -> None:
+        self.closed = True
+
+    def run(self, steps: int = 1000) -> None:
+        while self.scheduler.has_work() and steps:
+            self.now += 1.0
+            self.step()
+            steps -= 1
+
+
+def _generate(engine: SyncEngine, sp: SamplingParams, ctx: str = "c"):
+    """Fill PROMPT into ``ctx``, generate after it (queued behind the fill), run to the end."""
+    chunks = []
+    fill = engine.fill(PROMPT, ctx)
+    fut = engine.generate(sp, ctx, on_chunk=lambda ids, text, fin: chunks.append((tuple(ids), text, fin)))
+    engine.run()
+    assert fill.result(timeout=0).num_filled == len(PROMPT)
+    return fut.result(timeout=0), chunks
+
+
+def test_eos_stops_only_after_min_tokens_and_is_reported_but_not_decoded():
+    eng = SyncEngine(WORDS.encode("one") + [EOS] + WORDS.encode("two three") + [EOS, EOS])
+    res, chunks = _generate(eng, SamplingParams(max_tokens=10, min_tokens=3))
+    assert res.finish_reason is FinishReason.STOP
+    assert len(res.token_ids) == 5 and res.token_ids[-1] == EOS  # the EOS at 2 was too early
+    assert res.text == " one two three"  # EOS tokens carry no text
+    assert chunks[-1][2] is FinishReason.STOP and all(c[2] is None for c in chunks[:-1])
+    assert "".join(c[1] for c in chunks) == res.text
+    assert eng.contexts["c"].tokens[-5:] == list(res.token_ids)  # generated tokens are part of the context
+
+
+def test_stop_string_across_tokens_is_held_back_then_cut():
+    eng = SyncEngine(WORDS.encode("we stop here now please"))
+    res, chunks = _generate(eng, SamplingParams(max_tokens=10, stop=("here now",)))
+    assert res.finish_reason is FinishReason.STOP and len(res.token_ids) == 4
+    assert res.text == " we stop "
+    # "here" might start the stop string: held back, and never streamed since it did
+    assert [c[1] for c in chunks] == [" we", " stop", " ", ""]
+
+
+def test_stop_token_ids_and_length_limits():
+    script = WORDS.encode("x y z w v u")
+    eng = SyncEngine(script)
+    res, _ = _generate(eng, SamplingParams(max_tokens=10, stop_token_ids=(script[2],)))
+    assert res.finish_reason is FinishReason.STOP and res.token_ids == tuple(script[:3]) and res.text == " x y"
+    res, _ = _generate(SyncEngine(script), SamplingParams(max_tokens=4, ignore_eos=True))
+    assert res.finish_reason is FinishReason.LENGTH and len(res.token_ids) == 4
+    # the model's window ends a generation too, and a fill past it fails typed
+    eng = SyncEngine(script, max_model_len=len(PROMPT) + 2)
+    res, _ = _generate(eng, SamplingParams(max_tokens=10))
+    assert res.finish_reason is FinishReason.LENGTH and len(res.token_ids) == 2
+    with pytest.raises(ContextLengthExceeded):
+        eng.fill(PROMPT, "c").result(timeout=0)
+
+
+def test_free_aborts_the_active_generate_and_fails_queued_fills():
+    eng = SyncEngine(WORDS.encode("a b c d e f g h"))
+    eng.fill(PROMPT, "c")
+    eng.run()
+    gen = eng.generate(SamplingParams(max_tokens=8), "c")
+    queued = eng.fill(PROMPT, "c")  # waits behind the generate on the same context
+    eng.run(steps=3)
+    assert eng.status().num_running == 1 and not gen.done()
+    eng.free_context("c").result(timeout=0)
+    res = gen.result(timeout=0)
+    assert res.finish_reason is FinishReason.ABORT and 0 < len(res.token_ids) < 8
+    with pytest.raises(EngineError, match="freed"):
+        queued.result(timeout=0)
+    assert eng.pool.num_used == 0 and eng.status().num_contexts == 0
+    with pytest.raises(UnknownContext):
+        eng.free_context("c").result(timeout=0)
+
+
+def test_fork_shares_full_blocks_and_timestamps_come_from_the_clock():
+    eng = SyncEngine(WORDS.encode("p q r"))
+    long_prompt = list(range(100, 140))  # 2 full blocks + 8 tokens
+    eng.fill(long_prompt, "parent")
+    eng.run()
+    eng.fill([7, 8], "child", "parent")
+    assert eng.pool.num_shared == 2  # the child references the parent's two full blocks
+    t0 = eng.now
+    gen = eng.generate(SamplingParams(max_tokens=3), "child")
+    eng.run()
+    res = gen.result(timeout=0)
+    assert res.prompt_len == 42 and res.latency_s == eng.now - t0 and 0 < res.ttft_s <= res.latency_s
+
+
+def test_builtin_and_simulated_engines_are_the_same_core():
+    """No second copy of the op lifecycle: both engines inherit every step of it from EngineCore."""
+    lifecycle = ("fill", "generate", "free_context", "set_token_cap", "pin_prefix", "_start", "_complete", "apply",
+                 "_on_token", "next_plan", "fail_all", "snapshot")
+    for cls in (LLMEngine, SimEngine):
+        assert issubclass(cls, EngineCore)
+        assert not set(lifecycle) & set(vars(cls)), f"{cls.__name__} overrides the core's op lifecycle"
