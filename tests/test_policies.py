@@ -23,6 +23,7 @@ from parrot.manager.policies import (
     Demand,
     DispatchRequest,
     EngineView,
+    Occupancy,
     PlacedRequest,
     QueuedRequest,
     WorkKind,
@@ -132,7 +133,8 @@ def test_order_keeps_apps_together_and_a_blocked_request_does_not_block_others()
     q = [later_app_first_step, early_app_second_step, early_app_big_step]
     assert [x.ticket for x in sorted(q, key=policy.order_key)] == \
         [early_app_second_step.ticket, early_app_big_step.ticket, later_app_first_step.ticket]
-    got = placed(policy, q, engine("e0", (100, LAT)))
+    firm = Demand(1000, WorkKind.LATENCY, firm=True)  # a TPOT target runs there: its cap is never exceeded
+    got = placed(policy, q, engine("e0", (100, firm)))
     # 100 + 300 fits under 1000; the 900-token step does not fit now, the later app's step still does
     assert got == {early_app_second_step.request.request_id: "e0", later_app_first_step.request.request_id: "e0"}
 
@@ -158,10 +160,138 @@ def test_prefix_sharers_in_queue_are_co_located_and_held_prefixes_attract():
     assert got[a.request.request_id] == got[b.request.request_id] != got[other.request.request_id]
     # CtxInEngine: e1 holds 64 tokens of the request's prefix; e0 runs the same kind of work and is emptier
     c = queued(100, hashes=("h9",))
-    prefix = lambda e, r: 64 if e == "e1" and "h9" in r.prefix_hashes else 0  # noqa: E731
+    prefix = lambda e, hashes: 64 if e == "e1" and "h9" in hashes else 0  # noqa: E731
     e0, e1 = engine("e0", (50, LAT)), engine("e1", (200, LAT))
     assert placed(policy, [c], e0, e1) == {c.request.request_id: "e0"}
     assert placed(policy, [c], e0, e1, prefix=prefix) == {c.request.request_id: "e1"}
+
+
+# ---- the sharing pass: latency work shares a latency engine rather than wait behind it (Fig. 12b/13) --------------
+def test_concurrent_chain_steps_of_different_apps_share_an_engine_beyond_its_latency_cap():
+    policy = AppCentricPolicy(CAPS)
+    step = RequestLabel(PerfCriteria.LATENCY)
+    running = engine("e0", (800, LAT))  # app A's chain step
+    b = queued(700, label=step, app=2.0, session="B", engines=("e0",))
+    c = queued(700, app=3.0, session="C", engines=("e0",))  # unknown objective: latency work too
+    got = placed(policy, [c, b], running)
+    # neither fits under the 1000-token latency cap (800 + 700); waiting would serialize the apps, so both
+    # join the engine that runs only latency work: B, C and A advance together
+    assert got == {b.request.request_id: "e0", c.request.request_id: "e0"}
+    # ... but never beyond the engine's KV capacity
+    small_kv = engine("e0", (800, LAT), capacity=2000)
+    assert placed(policy, [b, c], small_kv) == {b.request.request_id: "e0"}  # 1500 <= 2000 < 2200
+
+
+def test_the_sharing_pass_keeps_kinds_apart_and_respects_tpot_targets():
+    policy = AppCentricPolicy(CAPS)
+    latency_full, bulk_engine = engine("e0", (800, LAT)), engine("e1", (7000, THR))
+    q = queued(700, engines=("e0", "e1"))
+    assert placed(policy, [q], latency_full, bulk_engine) == {q.request.request_id: "e0"}
+    # never onto an engine running throughput work, however much room its own cap leaves
+    assert placed(policy, [queued(700, engines=("e1",))], bulk_engine) == {}
+    # throughput work never uses it (it waits for room under the latency engine's cap)
+    bulk = queued(700, label=RequestLabel(PerfCriteria.THROUGHPUT), engines=("e0",))
+    assert placed(policy, [bulk], latency_full) == {}
+    # a TPOT target is a per-token promise: neither the request that has one nor one running next to it yields
+    strict = queued(700, label=RequestLabel(PerfCriteria.LATENCY, targets=PerfTargets(tpot_s=0.02)), engines=("e0",))
+    assert policy.demand(strict.request, strict.info, 700) == Demand(1000, WorkKind.LATENCY, firm=True)
+    assert placed(policy, [strict], latency_full) == {}
+    firm_engine = engine("e0", (800, Demand(1000, WorkKind.LATENCY, firm=True)))
+    assert placed(policy, [queued(700, engines=("e0",))], firm_engine) == {}
+
+
+def test_latency_work_overflows_a_latency_engine_before_cutting_a_throughput_engines_capacity():
+    policy = AppCentricPolicy(CAPS)
+    chat = queued(300, engines=("e0", "e1"))
+    chats_full, light_bulk = engine("e0", (900, LAT)), engine("e1", (200, THR))
+    # e1 has room under the chat's 1000-token cap, but a chat there would cut e1 from 8000 to 1000 tokens
+    assert placed(policy, [chat], chats_full, light_bulk) == {chat.request.request_id: "e0"}
+    # only when no latency engine can take it does it join the throughput work
+    firm_full = engine("e0", (900, Demand(1000, WorkKind.LATENCY, firm=True)))
+    assert placed(policy, [chat], firm_full, light_bulk) == {chat.request.request_id: "e1"}
+
+
+def test_the_sharing_pass_prefers_where_the_request_adds_least():
+    policy = AppCentricPolicy(CAPS)
+    e0 = engine("e0", (900, LAT))
+    e1 = EngineView("e1", "m", 4096, None, 10_000, (PlacedRequest("u", "s9", 950, LAT, None, ("sys",), 900),))
+    q = queued(900, hashes=("sys", "mine"))
+    held = lambda e, hashes: 800 if e == "e1" and "sys" in hashes else 0  # noqa: E731
+    # e1 holds more tokens, but q shares 800 of them: it ends at 950 + 100 there, at 1800 on e0
+    assert placed(policy, [q], e0, e1, prefix=held) == {q.request.request_id: "e1"}
+    assert placed(policy, [q], e0, e1) == {q.request.request_id: "e0"}
+
+
+# ---- a shared prompt prefix counts once toward an engine's tokens (GPTs serving, Fig. 17) ------------------------
+SYS = 3000  # tokens of a GPTs app's system prompt, held on the engine (its prefix context / running forks)
+# the users want <= 55 ms per output token: with CapacityConfig's TPOT profile (15 ms + 5 us per running token)
+# a firm cap of 8000 running tokens, which the sharing pass never exceeds
+TPOT = PerfTargets(tpot_s=0.055)
+
+
+def gpts_placed(name: str, n: int, *, hashes=("sys",), cap: int = 8000) -> tuple[PlacedRequest, ...]:
+    """``n`` requests of one app on engine ``name``: 3000-token system prompt + 100-token query, 400 new."""
+    return tuple(PlacedRequest(f"{name}-u{i}", f"user{i}", 3500, Demand(cap, WorkKind.LATENCY, firm=True), None,
+                               (*hashes, f"{name}-q{i}"), 3100) for i in range(n))
+
+
+def held_on(*engines_: str, tokens: int = SYS):
+    return lambda e, hashes: tokens if e in engines_ and "sys" in hashes else 0
+
+
+def gpts_queued(i: int, *, engines=("e0", "e1")) -> QueuedRequest:
+    t = next(_tickets)
+    req = DispatchRequest(f"r{t}", f"new{i}", prompt_tokens=3100, max_new_tokens=400, prefix_hashes=("sys", f"q{t}"))
+    return QueuedRequest(t, req, SchedInfo(RequestLabel(PerfCriteria.LATENCY, targets=TPOT), 0, float(i)), float(i),
+                         tuple(engines))
+
+
+def test_shared_prefix_counts_once_toward_the_engines_tokens():
+    caps = CapacityConfig(latency_cap_tokens=8000, throughput_cap_tokens=64000)
+    e0 = EngineView("e0", "m", 4096, None, 50_000, gpts_placed("e0", 2))
+    cluster = ClusterView({"e0": e0}, prefix_tokens=held_on("e0"))
+    assert e0.tokens == 7000  # in full
+    assert cluster.engine_tokens("e0") == 3500 + 500  # the 3000-token system prompt once
+    # a newcomer of the same app adds only its own 500 tokens: 4000 + 500 <= 8000 (in full: 10500 > 8000)
+    q = gpts_queued(0, engines=("e0",))
+    assert placed(AppCentricPolicy(caps), [q], e0, prefix=held_on("e0")) == {q.request.request_id: "e0"}
+    # without knowing the prefix's size there (nothing holds it yet) every request counts in full
+    assert placed(AppCentricPolicy(caps), [q], e0) == {}
+    # an engine whose attention re-reads the prefix per request (plain paged attention) counts it per request
+    paged = EngineView("e0", "m", 4096, None, 50_000, gpts_placed("e0", 2), shared_prefix_attention=False)
+    assert ClusterView({"e0": paged}, prefix_tokens=held_on("e0")).engine_tokens("e0") == 7000
+    assert placed(AppCentricPolicy(caps), [q], paged, prefix=held_on("e0")) == {}
+
+
+def test_sharers_fill_engines_to_their_cap_and_a_cached_prefix_alone_is_not_credited():
+    caps = CapacityConfig(latency_cap_tokens=8000, throughput_cap_tokens=64000)
+    queue = [gpts_queued(i) for i in range(12)]
+    e0 = EngineView("e0", "m", 4096, None, 50_000, gpts_placed("e0", 1))
+    e1 = EngineView("e1", "m", 4096, None, 50_000)
+    cluster = ClusterView({"e0": e0, "e1": e1}, prefix_tokens=held_on("e0", "e1"))
+    occ = Occupancy(cluster)
+    # e1 holds the prompt only as a cache (nobody placed there uses it): its first user counts it in full
+    assert occ.extra_tokens("e1", [queue[0].request]) == 3500
+    assert occ.extra_tokens("e1", [q.request for q in queue[:3]]) == 3500 + 2 * 500
+    assert occ.extra_tokens("e0", [queue[0].request]) == 500
+    got = placed(AppCentricPolicy(caps), queue, e0, e1, prefix=held_on("e0", "e1"))
+    # all twelve run at once: e0 and e1 together hold 3500 + 3500 + 11 x 500 = 12,500 <= 2 x 8000;
+    # counted in full (3500 each) only two more fit on e0 and e1 together
+    assert len(got) == 12
+    on = {e: [q.request for q in queue if got[q.request.request_id] == e] for e in ("e0", "e1")}
+    assert occ.tokens["e0"] + occ.extra_tokens("e0", on["e0"]) <= 8000 and occ.extra_tokens("e1", on["e1"]) <= 8000
+    assert len(placed(AppCentricPolicy(caps), queue, e0, e1)) == 3
+    # a set of sharers is no single request: an idle engine does not take it beyond its cap
+    assert not Occupancy(cluster).fits("e1", 9000, 8000, members=12)
+    assert Occupancy(cluster).fits("e1", 9000, 8000)
+
+
+def test_fifo_baseline_counts_a_shared_prefix_once_too():
+    policy = make_policy("fifo-latency", CapacityConfig(latency_cap_tokens=8000, throughput_cap_tokens=64000))
+    e0 = EngineView("e0", "m", 4096, None, 50_000, gpts_placed("e0", 2))
+    q = [gpts_queued(i, engines=("e0",)) for i in range(10)]
+    got = placed(policy, q, e0, prefix=held_on("e0"))
+    assert len(got) == 8  # 4000 + 8 * 500 = 8000 (same mechanics; only OpenAI requests carry no prefix hashes)
 
 
 def test_unknown_policy_name_is_rejected():
@@ -180,6 +310,25 @@ class CapRecordingEngine(FakeEngine):
     async def set_token_cap(self, max_running_tokens: int | None) -> bool:
         self.caps.append(max_running_tokens)
         return True
+
+
+def test_dispatcher_pushes_a_cap_that_admits_what_the_policy_placed():
+    async def main():
+        e0 = CapRecordingEngine("e0")
+        registry = EngineRegistry([e0])
+        await registry.refresh()
+        d = Dispatcher(registry, make_policy("parrot", CAPS))
+        a = await d.acquire(DispatchRequest("a", prompt_tokens=800))
+        await asyncio.sleep(0.05)
+        assert e0.caps[-1] == 1000
+        b = await asyncio.wait_for(d.acquire(DispatchRequest("b", prompt_tokens=700)), 1)  # the sharing pass
+        await asyncio.sleep(0.05)
+        assert b.engine == "e0" and e0.caps[-1] == 1500  # else the engine would keep b waiting locally
+        for lease in (a, b):
+            lease.release()
+        await d.close()
+
+    asyncio.run(main())
 
 
 def test_dispatcher_queues_until_release_and_pushes_caps():

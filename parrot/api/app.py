@@ -37,7 +37,8 @@ def create_app(settings: ServerSettings | None = None, engines: Sequence[EngineC
         manager = Manager(EngineRegistry(engine_list), policy=policy, config=settings.manager_config())
         await manager.start()
         app.state.manager = manager
-        app.state.completions = CompletionService(manager.dispatcher, max_n=settings.max_n)
+        app.state.completions = CompletionService(manager.dispatcher, max_n=settings.max_n,
+                                                   max_attempts=settings.max_attempts)
         app.state.started_at = time.time()
         try:
             yield

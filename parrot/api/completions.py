@@ -9,8 +9,15 @@ each choice in a child context forked from it (``parent_context_id``; the prompt
             ├── base.0: | prompt | choice 0 ...
             └── base.1: | prompt | choice 1 ...
 
+Failover (as for Parrot requests, :mod:`parrot.manager.failover`): when the prompt's engine becomes unreachable
+(a call fails with ``EngineUnavailable``, or the registry declares it dead while a call hangs), the engine is
+marked dead and the prompt restarts from its fill on another engine, up to ``max_attempts`` runs in all. A
+streamed prompt restarts only while none of its tokens has been sent; after that the stream ends with an
+``engine_unavailable`` error event saying how many tokens were sent (a stream cannot be resumed elsewhere).
+
 Every context is freed and every lease released when the response ends, fails or the client disconnects
-(cleanup runs shielded from cancellation).
+(cleanup runs shielded from cancellation); contexts left on a dead engine are freed if that same engine
+process comes back (:class:`~parrot.manager.failover.OrphanContexts`).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -28,10 +35,18 @@ import anyio
 
 from parrot.api.chat_template import ChatRenderer
 from parrot.api.schemas import ChatCompletionRequest, CompletionRequest, _SamplingRequest
-from parrot.common.errors import ContextLengthExceeded, InvalidRequestError, ParrotError, UnknownContext
+from parrot.common.errors import (
+    ContextLengthExceeded,
+    EngineUnavailable,
+    InvalidRequestError,
+    ParrotError,
+    UnknownContext,
+)
 from parrot.common.sampling import SamplingParams
 from parrot.engine.interface import EngineClient, GenerateChunk, GenerateResult, ModelInfo
 from parrot.manager.dispatcher import Dispatcher, DispatchRequest, Lease
+from parrot.manager.engine_registry import EngineState
+from parrot.manager.failover import OrphanContexts, run_unless_lost
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +77,17 @@ class CompletionPlan:
 
 
 class CompletionService:
-    def __init__(self, dispatcher: Dispatcher, *, max_n: int = 16, renderer: ChatRenderer | None = None) -> None:
+    def __init__(self, dispatcher: Dispatcher, *, max_n: int = 16, renderer: ChatRenderer | None = None,
+                 max_attempts: int = 3) -> None:
+        """``max_attempts``: runs of a prompt in all when its engine dies under it (1 = no restart)."""
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts!r}")
         self.dispatcher = dispatcher
         self.max_n = max_n
+        self.max_attempts = max_attempts
         self.renderer = renderer or ChatRenderer()
+        self.num_restarted = 0  # prompts restarted on another engine after theirs died
+        self.orphans = OrphanContexts(dispatcher.registry)  # contexts left on dead engines
         self._special_text: dict[tuple[str, int], str] = {}  # (model, token id) -> text
 
     # ---- planning (all validation happens here) ---------------------------------------------------------------
@@ -125,7 +147,7 @@ class CompletionService:
     # ---- execution ----------------------------------------------------------------------------------------------
     async def complete(self, plan: CompletionPlan) -> dict:
         """Run every prompt and choice; the OpenAI response body."""
-        run = _Run(self.dispatcher, plan)
+        run = _Run(self, plan)
         try:
             per_job = await gather_or_cancel([run.generate_all(job) for job in plan.jobs])
         finally:
@@ -141,7 +163,7 @@ class CompletionService:
 
     async def stream(self, plan: CompletionPlan) -> AsyncIterator[dict]:
         """Chunks of the OpenAI stream (without the final ``[DONE]``, which the SSE layer adds)."""
-        run = _Run(self.dispatcher, plan)
+        run = _Run(self, plan)
         queue: asyncio.Queue = asyncio.Queue()
         pumps = [asyncio.create_task(run.pump(job, queue)) for job in plan.jobs]
         total = len(plan.jobs) * plan.n
@@ -180,57 +202,113 @@ class CompletionService:
                 await run.close()
 
 
+Targets = list[tuple[str, str | None]]  # (context, parent) per choice
+
+
 class _Run:
     """Leases and contexts of one completion request; :meth:`close` frees them all (shielded)."""
 
-    def __init__(self, dispatcher: Dispatcher, plan: CompletionPlan) -> None:
-        self.dispatcher = dispatcher
+    def __init__(self, service: CompletionService, plan: CompletionPlan) -> None:
+        self.service = service
+        self.dispatcher = service.dispatcher
         self.plan = plan
         self.leases: list[Lease] = []
-        self.contexts: list[tuple[EngineClient, str]] = []
+        self.contexts: list[tuple[str, EngineClient, str]] = []  # (engine, client it was created through, context)
 
-    async def open(self, job: PromptJob) -> tuple[EngineClient, list[tuple[str, str | None]]]:
-        """Lease an engine, fill the prompt; return the client and (context, parent) per choice."""
-        lease = await self.dispatcher.acquire(DispatchRequest(
-            request_id=f"{self.plan.id}/{job.index}", models=(self.plan.model,), prompt_tokens=len(job.token_ids),
-            max_new_tokens=sum(s.max_tokens for s in job.samplings)))
-        self.leases.append(lease)
-        base = f"{self.plan.id}-{job.index}"
-        self.contexts.append((lease.client, base))
-        await lease.client.fill(job.token_ids, base)
+    async def run(self, job: PromptJob, work: Callable[[EngineClient, Targets], Awaitable[T]], *,
+                  restartable: Callable[[], bool] = lambda: True) -> T:
+        """Lease an engine, fill the prompt, ``await work(client, targets)``; on the engine's loss restart on
+        another one (see the module docstring) while ``restartable()`` and attempts remain."""
+        enqueued_at: float | None = None
+        for attempt in range(1, self.service.max_attempts + 1):
+            lease = await self.dispatcher.acquire(DispatchRequest(
+                request_id=f"{self.plan.id}/{job.index}", models=(self.plan.model,),
+                prompt_tokens=len(job.token_ids), max_new_tokens=sum(s.max_tokens for s in job.samplings)),
+                enqueued_at=enqueued_at)
+            enqueued_at = lease.enqueued_at  # a restarted prompt keeps its place in the queue
+            self.leases.append(lease)
+            try:
+                return await run_unless_lost(lease, self._attempt(lease, job, attempt, work),
+                                             f"completion {self.plan.id}/{job.index}")
+            except EngineUnavailable as e:
+                self.dispatcher.engine_failed(lease, e)
+                self._abandon(lease)
+                if attempt == self.service.max_attempts or not restartable():
+                    raise
+                self.service.num_restarted += 1
+                logger.warning("completion %s/%d lost engine %s (%s); restarting (run %d of %d)", self.plan.id,
+                               job.index, lease.engine, e.message, attempt + 1, self.service.max_attempts)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    async def _attempt(self, lease: Lease, job: PromptJob, attempt: int,
+                       work: Callable[[EngineClient, Targets], Awaitable[T]]) -> T:
+        client = lease.client
+        base = f"{self.plan.id}-{job.index}" + (f"-r{attempt}" if attempt > 1 else "")
+        self.contexts.append((lease.engine, client, base))
+        await client.fill(job.token_ids, base)
         if len(job.samplings) == 1:
-            return lease.client, [(base, None)]
-        children = [(f"{base}.{i}", base) for i in range(len(job.samplings))]
-        self.contexts.extend((lease.client, c) for c, _ in children)
-        return lease.client, children
+            targets: Targets = [(base, None)]
+        else:
+            targets = [(f"{base}.{i}", base) for i in range(len(job.samplings))]
+            self.contexts.extend((lease.engine, client, c) for c, _ in targets)
+        return await work(client, targets)
+
+    def _abandon(self, lease: Lease) -> None:
+        """Forget the contexts of a run whose engine died (the orphan list frees them if the same engine process
+        comes back) and give its lease back."""
+        mine = [c for c in self.contexts if c[0] == lease.engine and c[1] is lease.client]
+        self.contexts = [c for c in self.contexts if not (c[0] == lease.engine and c[1] is lease.client)]
+        for engine, client, ctx in mine:
+            self.service.orphans.add(engine, client, ctx)
+        lease.release()
 
     async def generate_all(self, job: PromptJob) -> list[GenerateResult]:
-        client, targets = await self.open(job)
-        return await gather_or_cancel([client.generate(s, ctx, parent)
-                                       for s, (ctx, parent) in zip(job.samplings, targets)])
+        async def work(client: EngineClient, targets: Targets) -> list[GenerateResult]:
+            return await gather_or_cancel([client.generate(s, ctx, parent)
+                                           for s, (ctx, parent) in zip(job.samplings, targets)])
+
+        return await self.run(job, work)
 
     async def pump(self, job: PromptJob, queue: asyncio.Queue) -> None:
         """Stream every choice of ``job`` into ``queue`` as ("chunk", index, chunk) / ("done", index, None);
         a failure is put as ("error", -1, exc)."""
-        try:
-            client, targets = await self.open(job)
+        sent = 0  # tokens of this prompt already handed to the client
+        events = 0  # events of this prompt queued for the client: past 0 a restart would repeat them
 
+        async def work(client: EngineClient, targets: Targets) -> None:
             async def one(i: int, sampling: SamplingParams, ctx: str, parent: str | None) -> None:
+                nonlocal sent, events
                 index = job.index * self.plan.n + i
                 async with contextlib.aclosing(client.generate_stream(sampling, ctx, parent)) as chunks:
                     async for chunk in chunks:
+                        sent += len(chunk.token_ids)
+                        events += 1
                         queue.put_nowait(("chunk", index, chunk))
+                events += 1
                 queue.put_nowait(("done", index, None))
 
             await gather_or_cancel([one(i, s, ctx, parent)
                                     for i, (s, (ctx, parent)) in enumerate(zip(job.samplings, targets))])
+
+        try:
+            await self.run(job, work, restartable=lambda: events == 0)
+        except EngineUnavailable as e:
+            if events:
+                e = EngineUnavailable(f"the engine serving this stream failed after {sent} token(s) were sent "
+                                      f"({e.message}); a stream cannot be resumed elsewhere: send the request again")
+            queue.put_nowait(("error", -1, e))
         except Exception as e:
             queue.put_nowait(("error", -1, e))
 
     async def close(self) -> None:
         with anyio.CancelScope(shield=True):
-            for client, ctx in reversed(self.contexts):  # children before their parent
+            registry = self.dispatcher.registry
+            for engine, client, ctx in reversed(self.contexts):  # children before their parent
                 try:
+                    entry = registry.entry(engine)
+                    if entry.client is client and entry.state is EngineState.DEAD:  # a call could hang
+                        self.service.orphans.add(engine, client, ctx)
+                        continue
                     await client.free_context(ctx)
                 except UnknownContext:
                     pass  # never created (cancelled early) or already gone

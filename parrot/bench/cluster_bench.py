@@ -316,6 +316,12 @@ def report(results: dict[str, dict[str, dict]], policies: list[str]) -> tuple[st
                 row.append(later if p != "parrot" else "-")
             rows.append(row)
         parts.append(format_table(headers, rows, title=f"[{scenario}]  ratio = policy / parrot (>1: parrot better)"))
+        if scenario == "multi_chain":  # every app's latency (Fig. 13: none may finish later under parrot)
+            shown = [p for p in policies if p in by_policy]
+            apps = zip(*(by_policy[p]["apps_e2e_s"] for p in shown))
+            parts.append(format_table(["app", *(f"{p} e2e s" for p in shown)],
+                                      [[k, *times] for k, times in enumerate(apps)],
+                                      title="[multi_chain] per-app end-to-end latency"))
         for p in policies:
             placement = by_policy.get(p, {}).get("placement")
             if placement:

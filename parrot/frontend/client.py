@@ -15,11 +15,14 @@ import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from parrot.common.errors import ParrotError, error_from_body
+
+if TYPE_CHECKING:
+    from parrot.frontend.variable import Latency
 
 log = logging.getLogger(__name__)
 
@@ -133,19 +136,18 @@ class Session:
     def set_variable(self, var_id: str, value: str) -> None:
         self._request("PUT", f"{self._base}/variables/{var_id}", json={"value": value})
 
-    def poll_variable(self, var_id: str, criteria: str | None, timeout_s: float) -> str | None:
-        """One long-poll GET: the value, or None if still pending after ``timeout_s`` (<= MAX_POLL_S)."""
-        params: dict[str, Any] = {"timeout": round(max(0.0, min(timeout_s, MAX_POLL_S)), 3)}
-        if criteria:
-            params["criteria"] = criteria
-        answer = self._request("GET", f"{self._base}/variables/{var_id}", params=params)
+    def poll_variable(self, var_id: str, criteria: str | None, timeout_s: float, *,
+                      targets: Latency | None = None) -> str | None:
+        """One long-poll GET: the value, or None if still pending after ``timeout_s`` (<= MAX_POLL_S).
+        ``criteria`` and latency ``targets`` are recorded on the variable (GetPerfObj)."""
+        answer = self._request("GET", f"{self._base}/variables/{var_id}",
+                               params=_poll_params(criteria, timeout_s, targets))
         return answer["value"] if answer["status"] == "ready" else None
 
-    async def apoll_variable(self, var_id: str, criteria: str | None, timeout_s: float) -> str | None:
-        params: dict[str, Any] = {"timeout": round(max(0.0, min(timeout_s, MAX_POLL_S)), 3)}
-        if criteria:
-            params["criteria"] = criteria
-        answer = await self._arequest("GET", f"{self._base}/variables/{var_id}", params=params)
+    async def apoll_variable(self, var_id: str, criteria: str | None, timeout_s: float, *,
+                             targets: Latency | None = None) -> str | None:
+        answer = await self._arequest("GET", f"{self._base}/variables/{var_id}",
+                                      params=_poll_params(criteria, timeout_s, targets))
         return answer["value"] if answer["status"] == "ready" else None
 
     def submit(self, prompt: str, placeholders: list[dict], models: list[str] | None = None,
@@ -184,6 +186,15 @@ class Session:
 
     def __repr__(self) -> str:
         return f"Session({self.session_id!r} on {self.url}{', closed' if self.closed else ''})"
+
+
+def _poll_params(criteria: str | None, timeout_s: float, targets: Latency | None) -> dict[str, Any]:
+    params: dict[str, Any] = {"timeout": round(max(0.0, min(timeout_s, MAX_POLL_S)), 3)}
+    if criteria:
+        params["criteria"] = criteria
+    if targets is not None:
+        params.update(targets.query())
+    return params
 
 
 class _DefaultSession:

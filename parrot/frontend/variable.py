@@ -9,9 +9,11 @@ A variable has one of three origins:
 
 A variable is bound lazily to one session (created on the server the first time a call needs its id).
 ``get`` / ``aget`` long-poll the server in chunks and annotate the fetch with a performance criterion
-(the paper's GetPerfObj). A failed producer raises its typed error (``StepFailed`` from the server; a native
-function's own exception for its outputs; ``StepFailed`` with cause ``native_function_failed`` for semantic
-outputs that depend on a failed native function).
+(the paper's GetPerfObj): ``LATENCY`` / ``THROUGHPUT``, or :class:`Latency` with targets (time to first token,
+time per output token, a deadline), which the scheduler orders and caps by (docs/api.md). A failed producer
+raises its typed error (``StepFailed`` from the server; a native function's own exception for its outputs;
+``StepFailed`` with cause ``native_function_failed`` for semantic outputs that depend on a failed native
+function).
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ import asyncio
 import concurrent.futures
 import enum
 import logging
+import math
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from parrot.common.errors import InvalidRequestError, ParrotError, StepFailed, VariableAlreadySet
@@ -44,6 +48,54 @@ class PerfCriteria(str, enum.Enum):
 
 LATENCY = PerfCriteria.LATENCY
 THROUGHPUT = PerfCriteria.THROUGHPUT
+
+
+@dataclass(frozen=True)
+class Latency:
+    """The LATENCY criterion with targets (the extension the paper names): ``ttft_s`` -- first token within
+    this, ``tpot_s`` -- at most this per output token (the scheduler caps the engine's batch to keep it),
+    ``deadline_s`` -- the value wanted within this many seconds of the ``get``. Each is optional, > 0::
+
+        answer.get(perf=Latency(tpot_s=0.05, deadline_s=10))
+
+    The producers of the fetched variable inherit all three, their predecessors only the deadline."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    deadline_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_s", "tpot_s", "deadline_s"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not (value > 0 and math.isfinite(value))):
+                raise InvalidRequestError(f"{name} must be a positive number of seconds, got {value!r}", param=name)
+
+    def query(self) -> dict[str, float]:
+        """The GET parameters (docs/api.md: ``ttft_ms``, ``tpot_ms``, ``deadline_s``)."""
+        out: dict[str, float] = {}
+        if self.ttft_s is not None:
+            out["ttft_ms"] = self.ttft_s * 1000
+        if self.tpot_s is not None:
+            out["tpot_ms"] = self.tpot_s * 1000
+        if self.deadline_s is not None:
+            out["deadline_s"] = self.deadline_s
+        return out
+
+
+Perf = PerfCriteria | str | Latency
+
+
+def _criteria(perf: Perf) -> tuple[str, Latency | None]:
+    """(criterion name, targets) of a ``perf`` argument; InvalidRequestError for anything else."""
+    if isinstance(perf, Latency):
+        return PerfCriteria.LATENCY.value, perf
+    try:
+        return PerfCriteria(perf).value, None
+    except ValueError:
+        known = ", ".join(c.value for c in PerfCriteria)
+        raise InvalidRequestError(f"unknown perf criterion {perf!r} (known: {known}, or Latency(...))",
+                                  param="perf") from None
 
 
 class _Origin(enum.Enum):
@@ -164,12 +216,13 @@ class SemanticVariable:
             self._value = value
         return value is not None
 
-    def get(self, perf: PerfCriteria | str = LATENCY, timeout: float | None = None) -> str:
-        """Block until the value exists and return it. ``perf`` annotates the fetch (LATENCY / THROUGHPUT).
+    def get(self, perf: Perf = LATENCY, timeout: float | None = None) -> str:
+        """Block until the value exists and return it. ``perf`` annotates the fetch: LATENCY, THROUGHPUT or
+        :class:`Latency` with targets (sent with the first poll; the server keeps them for the variable).
 
         Raises the producer's typed error (see module docstring); TimeoutError after ``timeout`` seconds.
         """
-        criteria = PerfCriteria(perf).value
+        criteria, targets = _criteria(perf)
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._value is not None:
             return self._value
@@ -183,19 +236,20 @@ class SemanticVariable:
             if deadline is not None:
                 chunk = min(chunk, max(0.0, deadline - time.monotonic()))
             try:
-                value = self._session.poll_variable(var_id, criteria, chunk)
+                value = self._session.poll_variable(var_id, criteria, chunk, targets=targets)
             except StepFailed as e:
                 self._error = e
                 raise
+            targets = None  # recorded by the first poll (a relative deadline re-sent later would move)
             if value is not None:
                 self._value = value
                 return value
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"{self!r} not ready after {timeout} s")
 
-    async def aget(self, perf: PerfCriteria | str = LATENCY, timeout: float | None = None) -> str:
+    async def aget(self, perf: Perf = LATENCY, timeout: float | None = None) -> str:
         """``await`` version of :meth:`get` (uses the session's async HTTP client)."""
-        criteria = PerfCriteria(perf).value
+        criteria, targets = _criteria(perf)
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._value is not None:
             return self._value
@@ -212,10 +266,11 @@ class SemanticVariable:
             if deadline is not None:
                 chunk = min(chunk, max(0.0, deadline - time.monotonic()))
             try:
-                value = await self._session.apoll_variable(var_id, criteria, chunk)
+                value = await self._session.apoll_variable(var_id, criteria, chunk, targets=targets)
             except StepFailed as e:
                 self._error = e
                 raise
+            targets = None
             if value is not None:
                 self._value = value
                 return value

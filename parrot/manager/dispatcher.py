@@ -12,12 +12,14 @@ Failover: when the registry declares an engine dead, every lease on it is *lost*
 reschedules its request, see the executor) and its load share disappears from the accounting.
 
 Capacity hint to engines: after each round the dispatcher pushes to every engine the cap of the strictest
-request placed on it (``EngineClient.set_token_cap``; None when nothing of ours runs there), so the engine's
-local batch follows the placement. One push task per engine sends the latest wanted value (no reordering);
-engines that do not support caps are not asked again.
+request placed on it, raised to the tokens placed there if the policy placed more
+(``EngineClient.set_token_cap``; None when nothing of ours runs there), so the engine's local batch follows
+the placement. One push task per engine sends the latest wanted value (no reordering); engines that do not
+support caps are not asked again.
 
 Prefix affinity (Algorithm 1, CtxInEngine): ``prefix_lookup`` (wired to the PrefixStore) tells the policy how
-many tokens of a request's prefix each engine already holds.
+many tokens of a request's prefix each engine already holds; the policies also use it to count a prefix shared
+by requests placed on one engine once toward that engine's tokens.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from parrot.manager.policies.base import (
     EngineLoad,
     EngineView,
     PlacedRequest,
+    PrefixLookup,
     Policy,
     QueuedRequest,
 )
@@ -50,7 +53,6 @@ __all__ = ["DispatchRequest", "Dispatcher", "EngineLoad", "LeastLoadedPolicy", "
 
 CAP_PUSH_TIMEOUT_S = 5.0
 
-PrefixLookup = Callable[[str, Sequence[str]], int]  # (engine, prefix hashes) -> tokens of the longest held
 InfoLookup = Callable[[str, str], SchedInfo]  # (session id, request id) -> labels, depth, app order
 
 
@@ -261,17 +263,18 @@ class Dispatcher:
                 demand = self.policy.demand(lease.request, info, group_tokens.get(key, lease.tokens)
                                             if key is not None else lease.tokens)
                 placed.append(PlacedRequest(lease.request.request_id, lease.request.session_id, lease.tokens,
-                                            demand, info.task_group))
+                                            demand, info.task_group, lease.request.prefix_hashes,
+                                            lease.request.prompt_tokens))
             s = e.status
             capacity = s.kv_blocks_total * s.block_size if s is not None and s.kv_blocks_total > 0 else None
             assert e.info is not None
             engines[e.name] = EngineView(e.name, e.info.name, e.info.max_model_len, s, capacity, tuple(placed))
-        lookup = self.prefix_lookup
-        prefix = (lambda engine, r: lookup(engine, r.prefix_hashes)) if lookup is not None else None
-        return ClusterView(engines, prefix_tokens=prefix, group_tokens=group_tokens)
+        return ClusterView(engines, prefix_tokens=self.prefix_lookup, group_tokens=group_tokens)
 
     # ---- capacity hints -------------------------------------------------------------------------------------
     def _update_caps(self) -> None:
+        if not self.policy.caps_engines:
+            return
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -279,7 +282,10 @@ class Dispatcher:
         cluster = self._cluster()
         for name, view in cluster.engines.items():
             caps = [p.demand.cap for p in view.placed if p.demand.cap is not None]
-            wanted = min(caps) if caps else None
+            # The engine admits everything placed here: even beyond the cap (an idle engine's oversized request,
+            # the parrot policy's sharing pass), and counted the way the engine counts (every running context in
+            # full: a prefix the policy counted once is one per context there). The cap holds the rest back.
+            wanted = max(min(caps), view.tokens) if caps else None
             if name in self._no_caps or (self._caps_sent.get(name) == wanted and name not in self._cap_tasks):
                 continue
             self._caps_wanted[name] = wanted
@@ -318,6 +324,6 @@ class Dispatcher:
     def stats(self) -> dict:
         cluster = self._cluster()
         return {"policy": self.policy.name, "queued": len(self._queue), "engines": {
-            name: {"requests": len(v.placed), "tokens": v.tokens, "cap": v.cap,
+            name: {"requests": len(v.placed), "tokens": cluster.engine_tokens(name), "cap": v.cap,
                    "cap_sent": self._caps_sent.get(name), "kinds": sorted({p.demand.kind.value for p in v.placed})}
             for name, v in cluster.engines.items()}}

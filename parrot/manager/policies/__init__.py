@@ -22,6 +22,7 @@ from parrot.manager.policies.base import (
     Placement,
     PlacedRequest,
     Policy,
+    PrefixLookup,
     QueuedRequest,
     WorkKind,
 )
@@ -47,5 +48,5 @@ def make_policy(name: str, caps: CapacityConfig | None = None) -> Policy:
 __all__ = [
     "POLICY_NAMES", "AppCentricPolicy", "CapacityConfig", "ClusterView", "Demand", "DispatchRequest", "EngineLoad",
     "EngineView", "FifoPolicy", "LeastLoadedPolicy", "Occupancy", "PerRequestPolicy", "Placement", "PlacedRequest",
-    "Policy", "QueuedRequest", "WorkKind", "make_policy",
+    "Policy", "PrefixLookup", "QueuedRequest", "WorkKind", "make_policy",
 ]

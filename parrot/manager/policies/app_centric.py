@@ -12,15 +12,32 @@ For each queued request ``r`` in that order (Algorithm 1)::
     elif engines hold r's prefix:      FindEngine(r, only those engines)
     if nothing was found:              FindEngine(r)
 
-FindEngine(set S): among the engines serving every member, those with room for S's tokens under both the
-engine's current cap and the strictest cap in S (:class:`~parrot.manager.policies.base.Occupancy`); the best
-is, in order: one already hosting members of S's task group, one already running the same kind of work
-(no capacity reduction: "scheduled to an engine that has already been running a latency-sensitive request,
-the capacity reduction is negligible"), an idle one, then the longest held prefix, then the fewest tokens.
+FindEngine(set S): among the engines serving every member (for latency work: not running throughput work;
+see the last pass below), those with room for S's tokens under both the
+engine's current cap and the strictest cap in S (:class:`~parrot.manager.policies.base.Occupancy`; a prompt
+prefix S shares with what is placed there counts once, so the users of one long system prompt fit on an engine
+many times over); the best is, in order: one already hosting members of S's task group, one already running
+the same kind of work (no capacity reduction: "scheduled to an engine that has already been running a
+latency-sensitive request, the capacity reduction is negligible"), an idle one, then the longest held prefix,
+then the fewest tokens.
 
 Caps (:meth:`AppCentricPolicy.demand`): latency-sensitive work and work of unknown objective caps its engine at
 ``latency_cap_tokens`` (tighter with a TPOT target); a task group at its own total (so it runs as one large
 batch, but nothing unrelated piles on); throughput work at ``throughput_cap_tokens`` (and the engine's KV).
+
+Last passes, for what is still queued (in the same order). Sharing pass: a latency request that fits nowhere
+joins an engine that runs only latency work, beyond that engine's latency cap, instead of waiting for it. Latency work lowers an engine's capacity to
+keep *throughput* work from slowing it down, but the cap must still admit the latency work that needs the
+engine: for a request that is waiting, the queue costs the whole remaining run of what is there, while one more
+sequence in a memory-bound decode batch costs everyone a little per token. Concurrent chain steps of different
+apps therefore run together rather than one app after the other (the Fig. 12b/13 requirement: no app slower
+than under the request-centric baseline, whose per-request FIFO interleaves the apps). Limits: never onto an
+engine running throughput work (the separation of kinds stands), never beyond the engine's KV capacity or
+``throughput_cap_tokens``, and never for or next to a request with a TPOT target (a *firm* cap: the target is a
+per-token promise). Among the engines that qualify, the one whose tokens end lowest (a shared prefix counts
+once, so sharers stay together). Only then may a latency request join an engine running throughput work (if
+that engine's tokens fit under its latency cap): that cuts the engine's capacity from the throughput cap to
+the latency cap ("significantly reduced", §5.4), the largest negative impact FindEngine can choose.
 """
 
 from __future__ import annotations
@@ -54,11 +71,12 @@ class AppCentricPolicy(Policy):
         if label is not None and label.criteria is PerfCriteria.THROUGHPUT:
             return Demand(self.caps.throughput_cap_tokens, WorkKind.THROUGHPUT)
         cap = self.caps.latency_cap_tokens
+        firm = label is not None and label.targets.tpot_s is not None  # a per-token promise (module docstring)
         if label is not None and label.targets.tpot_s is not None:
             cap = min(cap, self.caps.cap_for_tpot(label.targets.tpot_s))
         if label is not None and label.task_group is not None:
             cap = max(cap, min(group_tokens, self.caps.throughput_cap_tokens))
-        return Demand(cap, WorkKind.LATENCY)
+        return Demand(cap, WorkKind.LATENCY, firm)
 
     @staticmethod
     def order_key(q: QueuedRequest) -> tuple:
@@ -80,7 +98,7 @@ class AppCentricPolicy(Policy):
 
         def assign(members: list[QueuedRequest], engine: str) -> None:
             for m in members:
-                occ.add(engine, m.tokens, self._demand(m, cluster))
+                occ.add(engine, m.request, self._demand(m, cluster))
                 out.append(Placement(m.ticket, engine))
                 del left[m.ticket]
                 if m.group_key is not None:
@@ -107,20 +125,31 @@ class AppCentricPolicy(Policy):
                 engine = self.find_engine([q], occ, cluster)  # lines 10-11
             if engine is not None:
                 assign([q], engine)
+        for q in order:  # the sharing pass, then latency work may join throughput work (module docstring)
+            if q.ticket in left:
+                engine = self.share_latency_engine(q, occ, cluster)
+                if engine is None:
+                    engine = self.find_engine([q], occ, cluster, mix_kinds=True)
+                if engine is not None:
+                    assign([q], engine)
         return out
 
     def find_engine(self, members: Sequence[QueuedRequest], occ: Occupancy, cluster: ClusterView, *,
-                    only: Collection[str] | None = None, prefer: Collection[str] = ()) -> str | None:
-        """The best engine with room for all of ``members`` at once, or None (see the module docstring)."""
+                    only: Collection[str] | None = None, prefer: Collection[str] = (),
+                    mix_kinds: bool = False) -> str | None:
+        """The best engine with room for all of ``members`` at once, or None (see the module docstring).
+        Latency work considers engines running throughput work only with ``mix_kinds``."""
         demands = [self._demand(m, cluster) for m in members]
         caps = [d.cap for d in demands if d.cap is not None]
         cap = min(caps) if caps else None
         kind = WorkKind.LATENCY if any(d.kind is WorkKind.LATENCY for d in demands) else WorkKind.THROUGHPUT
-        tokens = sum(m.tokens for m in members)
+        requests = [m.request for m in members]
         names = set(members[0].candidates).intersection(*(m.candidates for m in members[1:]))
         if only is not None:
             names &= set(only)
-        room = [e for e in names if occ.fits(e, tokens, cap)]
+        extra = {e: occ.extra_tokens(e, requests) for e in names}
+        room = [e for e in names if occ.fits(e, extra[e], cap, members=len(members))
+                and (mix_kinds or kind is WorkKind.THROUGHPUT or WorkKind.THROUGHPUT not in occ.kinds[e])]
         if not room:
             return None
 
@@ -129,6 +158,23 @@ class AppCentricPolicy(Policy):
             return (e not in prefer, occ.similarity(e, kind), -prefix, occ.tokens[e], e)
 
         return min(room, key=score)
+
+    def share_latency_engine(self, q: QueuedRequest, occ: Occupancy, cluster: ClusterView) -> str | None:
+        """A busy engine running only latency work with soft caps that ``q`` (latency work without a TPOT
+        target) may join beyond its cap, or None (see the module docstring)."""
+        demand = self._demand(q, cluster)
+        if demand.kind is not WorkKind.LATENCY or demand.firm:
+            return None
+        ends: dict[str, int] = {}
+        for e in q.candidates:
+            if occ.count[e] == 0 or occ.kinds[e] != {WorkKind.LATENCY} or occ.firm[e]:
+                continue
+            kv = cluster.engines[e].capacity_tokens
+            limit = self.caps.throughput_cap_tokens if kv is None else min(kv, self.caps.throughput_cap_tokens)
+            end = occ.tokens[e] + occ.extra_tokens(e, [q.request])
+            if end <= limit:
+                ends[e] = end
+        return min(ends, key=lambda e: (ends[e], e)) if ends else None
 
     def _demand(self, q: QueuedRequest, cluster: ClusterView) -> Demand:
         return self.demand(q.request, q.info, cluster.group_tokens(q.group_key, q.tokens))

@@ -12,16 +12,27 @@ builds a :class:`ClusterView` (every live engine with the requests placed on it)
 A policy never mutates the view; :class:`Occupancy` is its scratch copy for one round, so requests it placed
 earlier in the round count against the engine's room.
 
-Token accounting (one unit everywhere): a request's *tokens* are its prompt estimate plus its max new tokens;
-an engine's tokens are the sum over the requests placed on it. An idle engine takes any request, even one
-beyond every cap (otherwise it could never run).
+Token accounting (one unit everywhere): a request's *tokens* are its prompt estimate plus its max new tokens.
+An engine's tokens are the union of what the requests placed on it hold: a prompt prefix that several of them
+share (PrefixHash, paper §5.3: forked from one context, its KV blocks exist once) counts once::
+
+    placed on e:   a = | system prompt (3000) | query a (80) | answer a (500) |
+                   b = | system prompt (3000) | query b (60) | answer b (400) |
+    tokens(e)  = 3580 + (3460 - 3000) = 4040     (not 3580 + 3460)
+
+This holds on engines whose decode reads such a prefix once (``EngineView.shared_prefix_attention``); with
+plain paged attention every request re-reads it, so every request counts in full. A prefix is credited only
+when its token count is known on that engine (:meth:`ClusterView.held_tokens`: a prefix context or a request
+context there holds it) and another request placed there shares it; a cached prefix nobody placed there uses
+adds nothing, and the first request that uses it counts it in full. An idle engine takes any single request,
+even one beyond every cap (otherwise it could never run).
 """
 
 from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from parrot.engine.interface import EngineStatus
@@ -39,7 +50,7 @@ class DispatchRequest:
     prompt_tokens: int = 0  # estimate (0 if unknown before tokenization)
     max_new_tokens: int = 0
     perf: PerfCriteria | None = None
-    prefix_hashes: tuple[str, ...] = ()
+    prefix_hashes: tuple[str, ...] = ()  # PrefixHash at each known boundary, in prompt order (chained)
 
     @property
     def tokens(self) -> int:
@@ -68,6 +79,10 @@ class WorkKind(str, enum.Enum):
 class Demand:
     cap: int | None  # running tokens the engine may hold while this request runs (None = no cap)
     kind: WorkKind
+    # The cap comes from an explicit per-token latency target (a TPOT target): no policy ever places work that
+    # takes the engine beyond it. A soft cap (False) may yield to latency work that would otherwise wait (see
+    # AppCentricPolicy's sharing pass).
+    firm: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,9 +119,11 @@ class CapacityConfig:
 class PlacedRequest:
     request_id: str
     session_id: str | None
-    tokens: int
+    tokens: int  # its own prompt estimate + max new tokens (before any sharing)
     demand: Demand
     task_group: str | None = None
+    prefix_hashes: tuple[str, ...] = ()
+    prompt_tokens: int = 0  # the prompt part of ``tokens`` (what a shared prefix can cover)
 
 
 @dataclass(frozen=True)
@@ -117,9 +134,14 @@ class EngineView:
     status: EngineStatus | None
     capacity_tokens: int | None  # KV capacity from its status (None = unknown)
     placed: tuple[PlacedRequest, ...] = ()
+    # Decode reads a prompt prefix shared by forked contexts once per iteration (the builtin engine's
+    # shared-prefix attention, paper §7), so such a prefix costs the engine's running tokens once. False for
+    # plain paged attention (vLLM's kernel), where every request re-reads it: then each request counts in full.
+    shared_prefix_attention: bool = True
 
     @property
     def tokens(self) -> int:
+        """Tokens of what is placed here, counting every request in full (see ClusterView.engine_tokens)."""
         return sum(p.tokens for p in self.placed)
 
     @property
@@ -155,21 +177,60 @@ class Placement:
     engine: str
 
 
-class ClusterView:
-    """Live engines and what is placed on them, for one scheduling round."""
+PrefixLookup = Callable[[str, Sequence[str]], int]  # (engine, prefix hashes) -> tokens of the longest held
 
-    def __init__(self, engines: Mapping[str, EngineView], *,
-                 prefix_tokens: Callable[[str, DispatchRequest], int] | None = None,
+
+class ClusterView:
+    """Live engines and what is placed on them, for one scheduling round.
+
+    ``prefix_tokens(engine, hashes)`` answers how many tokens of the longest of ``hashes`` ``engine`` holds (the
+    PrefixStore, Algorithm 1's CtxInEngine); answers are memoized for the round, the store does not change
+    during one."""
+
+    def __init__(self, engines: Mapping[str, EngineView], *, prefix_tokens: PrefixLookup | None = None,
                  group_tokens: Mapping[tuple[str | None, str], int] | None = None) -> None:
         self.engines = dict(engines)
-        self._prefix_tokens = prefix_tokens
+        self._lookup = prefix_tokens
         self._group_tokens = dict(group_tokens or {})
+        self._held: dict[tuple[str, str], int] = {}
 
     def prefix_tokens(self, engine: str, request: DispatchRequest) -> int:
         """Tokens of the request's longest prefix ``engine`` holds (Algorithm 1, CtxInEngine)."""
-        if self._prefix_tokens is None or not request.prefix_hashes:
+        return max((self.held_tokens(engine, h) for h in request.prefix_hashes), default=0)
+
+    def held_tokens(self, engine: str, prefix_hash: str) -> int:
+        """Tokens of the prefix ``prefix_hash`` if ``engine`` holds it, else 0 (its size is unknown there)."""
+        if self._lookup is None:
             return 0
-        return self._prefix_tokens(engine, request)
+        key = (engine, prefix_hash)
+        if key not in self._held:
+            self._held[key] = self._lookup(engine, (prefix_hash,))
+        return self._held[key]
+
+    def shared_tokens(self, engine: str, hashes: Sequence[str], prompt_tokens: int,
+                      present: Collection[str]) -> int:
+        """Tokens of a prompt with boundary ``hashes`` already counted on ``engine``: its longest prefix that a
+        request in ``present`` (the hashes of what is placed there) shares and whose size is known there,
+        at most ``prompt_tokens``; 0 on an engine without shared-prefix attention."""
+        if not self.engines[engine].shared_prefix_attention:
+            return 0
+        best = 0
+        for h in hashes:
+            if h in present:
+                best = max(best, self.held_tokens(engine, h))
+        return min(best, prompt_tokens)
+
+    def engine_tokens(self, engine: str) -> int:
+        """Tokens placed on ``engine`` with shared prefixes counted once (the module docstring)."""
+        placed = self.engines[engine].placed
+        if self._lookup is None or sum(bool(p.prefix_hashes) for p in placed) < 2:
+            return sum(p.tokens for p in placed)  # nothing can be shared
+        present: set[str] = set()
+        total = 0
+        for p in placed:
+            total += p.tokens - self.shared_tokens(engine, p.prefix_hashes, p.prompt_tokens, present)
+            present.update(p.prefix_hashes)
+        return total
 
     def group_tokens(self, key: tuple[str | None, str] | None, own: int) -> int:
         """Tokens of a whole task group (queued + placed members); ``own`` if not in a group."""
@@ -180,6 +241,7 @@ class Policy(abc.ABC):
     """A global scheduling policy. Both methods are pure functions of their arguments."""
 
     name: str = "policy"
+    caps_engines: bool = True  # its demands may carry caps (False: the dispatcher never pushes a token cap)
 
     @abc.abstractmethod
     def demand(self, request: DispatchRequest, info: SchedInfo, group_tokens: int) -> Demand:
@@ -192,6 +254,8 @@ class Policy(abc.ABC):
 
 class PerRequestPolicy(Policy):
     """A policy that picks one engine per request and never queues (no caps): :meth:`choose` decides."""
+
+    caps_engines = False
 
     def demand(self, request: DispatchRequest, info: SchedInfo, group_tokens: int) -> Demand:
         return Demand(None, WorkKind.LATENCY)
@@ -209,33 +273,53 @@ class PerRequestPolicy(Policy):
                                 inflight_requests=occ.count[e], inflight_tokens=occ.tokens[e],
                                 prefix_tokens=cluster.prefix_tokens(e, q.request)) for e in q.candidates]
             engine = self.choose(q.request, loads)
-            occ.add(engine, q.tokens, self.demand(q.request, q.info, q.tokens))
+            occ.add(engine, q.request, self.demand(q.request, q.info, q.tokens))
             out.append(Placement(q.ticket, engine))
         return out
 
 
 class Occupancy:
-    """A policy's scratch copy of per-engine load during one round (placements made so far count)."""
+    """A policy's scratch copy of per-engine load during one round (placements made so far count).
+
+    Tokens are counted with shared prefixes once (see the module docstring): :meth:`extra_tokens` is what a
+    set of requests would add to an engine given what is already there."""
 
     def __init__(self, cluster: ClusterView) -> None:
-        self.tokens = {n: e.tokens for n, e in cluster.engines.items()}
+        self.cluster = cluster
+        self.tokens = {n: cluster.engine_tokens(n) for n in cluster.engines}
         self.count = {n: len(e.placed) for n, e in cluster.engines.items()}
         self.cap = {n: e.cap for n, e in cluster.engines.items()}
         self.kinds = {n: {p.demand.kind for p in e.placed} for n, e in cluster.engines.items()}
+        self.firm = {n: any(p.demand.firm for p in e.placed) for n, e in cluster.engines.items()}
+        self.hashes: dict[str, set[str]] = {n: {h for p in e.placed for h in p.prefix_hashes}
+                                            for n, e in cluster.engines.items()}
 
-    def fits(self, engine: str, tokens: int, cap: int | None) -> bool:
-        """Room for ``tokens`` more under both the engine's cap and the newcomer's own cap."""
-        if self.count[engine] == 0:
+    def extra_tokens(self, engine: str, requests: Sequence[DispatchRequest]) -> int:
+        """Tokens ``requests`` (placed together, in this order) add to ``engine``: each one's own tokens minus
+        its prefix already counted there (by a request placed earlier or by an earlier one of ``requests``)."""
+        present = set(self.hashes[engine])
+        total = 0
+        for r in requests:
+            total += r.tokens - self.cluster.shared_tokens(engine, r.prefix_hashes, r.prompt_tokens, present)
+            present.update(r.prefix_hashes)
+        return total
+
+    def fits(self, engine: str, tokens: int, cap: int | None, *, members: int = 1) -> bool:
+        """Room for ``tokens`` more (of ``members`` requests) under both the engine's cap and the newcomers' own
+        cap. An idle engine takes a single request beyond every cap (else it could never run), not a set."""
+        if self.count[engine] == 0 and members == 1:
             return True
         limits = [c for c in (self.cap[engine], cap) if c is not None]
         return not limits or self.tokens[engine] + tokens <= min(limits)
 
-    def add(self, engine: str, tokens: int, demand: Demand) -> None:
-        self.tokens[engine] += tokens
+    def add(self, engine: str, request: DispatchRequest, demand: Demand) -> None:
+        self.tokens[engine] += self.extra_tokens(engine, [request])
+        self.hashes[engine].update(request.prefix_hashes)
         self.count[engine] += 1
         if demand.cap is not None:
             self.cap[engine] = demand.cap if self.cap[engine] is None else min(self.cap[engine], demand.cap)
         self.kinds[engine].add(demand.kind)
+        self.firm[engine] = self.firm[engine] or demand.firm
 
     def similarity(self, engine: str, kind: WorkKind) -> int:
         """0 = already runs this kind of work, 1 = idle, 2 = runs only other kinds (Algorithm 1's FindEngine

@@ -4,7 +4,8 @@
   Every request is treated alike (the service does not know the application): one FIFO queue, dispatch to
   the engine with the fewest requests in flight ("shortest queue"), and a per-engine cap on running tokens,
   tuned for per-request latency (small) or for throughput (large). When the queue's head fits on no engine,
-  everyone waits behind it (strict FIFO).
+  everyone waits behind it (strict FIFO). Token accounting is the shared one (a prompt prefix shared by
+  requests on one engine counts once); OpenAI-style requests carry no prefix hashes, so for them it is a sum.
 * ``least-loaded`` (:class:`LeastLoadedPolicy`): never queues; fewest in-flight requests, with optional
   prefix affinity. Engines batch whatever they receive.
 """
@@ -44,11 +45,11 @@ class FifoPolicy(Policy):
         occ = Occupancy(cluster)
         out: list[Placement] = []
         for q in sorted(queue, key=lambda q: (q.enqueued_at, q.ticket)):
-            room = [e for e in q.candidates if occ.fits(e, q.tokens, self.cap_tokens)]
+            room = [e for e in q.candidates if occ.fits(e, occ.extra_tokens(e, [q.request]), self.cap_tokens)]
             if not room:
                 break  # head-of-line: nobody overtakes the oldest request
             engine = min(room, key=lambda e: (occ.count[e], occ.tokens[e], e))
-            occ.add(engine, q.tokens, Demand(self.cap_tokens, WorkKind.LATENCY))
+            occ.add(engine, q.request, Demand(self.cap_tokens, WorkKind.LATENCY))
             out.append(Placement(q.ticket, engine))
         return out
 
