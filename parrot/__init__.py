@@ -27,6 +27,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "SemanticVariable": ("parrot.frontend.variable", "SemanticVariable"),
     "PerfCriteria": ("parrot.frontend.variable", "PerfCriteria"),
     "LATENCY": ("parrot.frontend.variable", "LATENCY"),
+    "Latency": ("parrot.frontend.variable", "Latency"),
     "THROUGHPUT": ("parrot.frontend.variable", "THROUGHPUT"),
     "semantic_function": ("parrot.frontend.function", "semantic_function"),
     "SemanticFunction": ("parrot.frontend.function", "SemanticFunction"),
@@ -83,4 +84,4 @@ if TYPE_CHECKING:  # static names for type checkers and IDEs
     from parrot.frontend.function import Output, SemanticFunction, semantic_function
     from parrot.frontend.local import local
     from parrot.frontend.native import NativeFunction, native_function
-    from parrot.frontend.variable import LATENCY, THROUGHPUT, PerfCriteria, SemanticVariable
+    from parrot.frontend.variable import LATENCY, THROUGHPUT, Latency, PerfCriteria, SemanticVariable

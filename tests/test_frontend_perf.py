@@ -1,4 +1,4 @@
-"""Latency targets from the frontend (``get(perf=Latency(ttft_s=..., tpot_s=..., deadline_s=...))``) through the
+"""Latency targets from the frontend (``get(perf=P.Latency(ttft_s=..., tpot_s=..., deadline_s=...))``) through the
 real HTTP server to the manager: deduction labels, and the scheduler's firm TPOT cap pushed to the engine.
 
 The engine is the test fake (tests/fakes.py) behind the real server app on a real socket; no model, no torch.
@@ -13,7 +13,7 @@ import pytest
 
 import parrot as P
 from parrot.common.errors import InvalidRequestError
-from parrot.frontend.variable import Latency
+import parrot as P
 
 pytest.importorskip("fastapi")
 
@@ -78,7 +78,7 @@ def test_latency_targets_reach_the_scheduler_and_cap_the_engine(session):
     final = polish(draft(topic, session=s), session=s)
     before = time.time()
     with pytest.raises(TimeoutError):  # pending; the first poll recorded the criterion and its targets
-        final.get(perf=Latency(ttft_s=0.5, tpot_s=0.02, deadline_s=60), timeout=0.3)
+        final.get(perf=P.Latency(ttft_s=0.5, tpot_s=0.02, deadline_s=60), timeout=0.3)
     mine, upstream = _sched(s, final)
     assert mine["criteria"] == "latency" and mine["targets"]["ttft_s"] == 0.5 and mine["targets"]["tpot_s"] == 0.02
     deadline = mine["targets"]["deadline"]
@@ -91,7 +91,7 @@ def test_latency_targets_reach_the_scheduler_and_cap_the_engine(session):
     engine.token_delay_s = 0.02  # long enough for the dispatcher's cap push to land while the step runs
     try:
         topic.set("parrots")
-        assert final.get(perf=Latency(ttft_s=0.5, tpot_s=0.02, deadline_s=60), timeout=30).startswith("<")
+        assert final.get(perf=P.Latency(ttft_s=0.5, tpot_s=0.02, deadline_s=60), timeout=30).startswith("<")
     finally:
         engine.token_delay_s = 0.0
     assert 2048 in engine.caps and 1000 in engine.caps
@@ -102,15 +102,15 @@ def test_aget_sends_targets_and_bad_criteria_are_typed_errors(session):
     s, _ = session
 
     async def main():
-        return await polish(draft("tea", session=s), session=s).aget(perf=Latency(deadline_s=30), timeout=30)
+        return await polish(draft("tea", session=s), session=s).aget(perf=P.Latency(deadline_s=30), timeout=30)
 
     assert asyncio.run(main()).startswith("<")
     labels = [r["sched"] for r in s.dag()["requests"]]
     assert all(label["criteria"] == "latency" and set(label["targets"]) == {"deadline"} for label in labels)
     with pytest.raises(InvalidRequestError, match="tpot_s"):
-        Latency(tpot_s=0)
+        P.Latency(tpot_s=0)
     with pytest.raises(InvalidRequestError, match="deadline_s"):
-        Latency(deadline_s=float("inf"))
+        P.Latency(deadline_s=float("inf"))
     with pytest.raises(InvalidRequestError, match="unknown perf criterion"):
         draft("x", session=s).get(perf="fastest", timeout=1)
-    assert Latency(ttft_s=0.25, tpot_s=0.05).query() == {"ttft_ms": 250.0, "tpot_ms": 50.0}
+    assert P.Latency(ttft_s=0.25, tpot_s=0.05).query() == {"ttft_ms": 250.0, "tpot_ms": 50.0}

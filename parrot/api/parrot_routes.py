@@ -6,7 +6,6 @@ mapped once by :mod:`parrot.api.errors`.
 
 from __future__ import annotations
 
-import time
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Request
@@ -84,7 +83,7 @@ async def get_variable(
     if ttft_ms is not None or tpot_ms is not None or deadline_s is not None:
         targets = PerfTargets(ttft_s=ttft_ms / 1000 if ttft_ms is not None else None,
                               tpot_s=tpot_ms / 1000 if tpot_ms is not None else None,
-                              deadline=time.time() + deadline_s if deadline_s is not None else None)
+                              deadline=manager.clock() + deadline_s if deadline_s is not None else None)
     view = await manager.get_variable(session, vid, criteria=criteria, timeout_s=timeout, targets=targets)
     return VariableResponse(var_id=view.var_id, name=view.name, status=view.status.value, value=view.value)
 
