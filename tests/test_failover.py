@@ -5,7 +5,6 @@ alive again. First on fake engines, then with real `parrot engine` processes (ti
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import pytest
@@ -14,6 +13,7 @@ from parrot.common.errors import EngineUnavailable, StepFailed
 from parrot.manager import EngineRegistry, EngineState, Manager, ManagerConfig
 from parrot.manager.graph import RequestStatus
 from parrot.manager.submit import PlaceholderSpec, SubmitSpec
+from engine_procs import TINY_ENGINE, wait_until
 from fakes import TAIL, FakeEngine
 
 
@@ -195,20 +195,6 @@ def test_reschedule_gives_up_after_max_attempts():
 
 
 # ---- real engine processes -------------------------------------------------------------------------------------
-TINY_ENGINE = ["--random-model", "tiny", "--dtype", "float32", "--weight-quant", "none", "--num-threads", "1",
-               "--kv-cache-tokens", "16384"]
-
-
-def _wait(cond, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
 def _live(url: str) -> set[str]:
     engines = httpx.get(f"{url}/api/v1/engines", timeout=5).json()["engines"]
     return {e["name"] for e in engines if e["healthy"]}
@@ -228,7 +214,7 @@ def test_killed_engine_process_requests_rerun_on_the_survivor(tmp_path, default_
     procs = start_engines(2, server.url, engine_args=TINY_ENGINE, prefix="fo", heartbeat_s=0.3, output=log)
     session = None
     try:
-        _wait(lambda: _live(server.url) == {"fo-0", "fo-1"}, 180, "two engines to register")
+        wait_until(lambda: _live(server.url) == {"fo-0", "fo-1"}, 180, "two engines to register")
         session = connect(server.url, make_default=False)
         long = Output(max_tokens=300, ignore_eos=True, temperature=0.0, stop=[])
         short = Output(max_tokens=30, ignore_eos=True, temperature=0.0, stop=[])
@@ -244,14 +230,14 @@ def test_killed_engine_process_requests_rerun_on_the_survivor(tmp_path, default_
             busy = {r["engine"] for r in reqs if r["status"] == "running"}
             return reqs if busy == {"fo-0", "fo-1"} else None
 
-        reqs = _wait(running_on_each_engine, 60, "map steps running on both engines")
+        reqs = wait_until(running_on_each_engine, 60, "map steps running on both engines")
         victim = next(p for p in procs if p.name == "fo-0")
         doomed = {r["request_id"] for r in reqs if r["status"] == "running" and r["engine"] == "fo-0"}
         victim.kill()  # SIGKILL: no goodbye, in-flight HTTP calls break
         values = [m.get(timeout=120) for m in maps] + [final.get(timeout=120)]
         assert all(isinstance(v, str) and v for v in values)
         # a request whose last output is materialized may still be freeing its context: wait for the status
-        dag = _wait(lambda: (d := {r["request_id"]: r for r in session.dag()["requests"]}) and
+        dag = wait_until(lambda: (d := {r["request_id"]: r for r in session.dag()["requests"]}) and
                     all(r["status"] == "finished" for r in d.values()) and d, 30, "every request to finish")
         assert {dag[r]["engine"] for r in doomed} == {"fo-1"}  # the killed engine's requests ran on the other
         stats = httpx.get(f"{server.url}/api/v1/stats", timeout=5).json()["failover"]
@@ -267,7 +253,7 @@ def test_killed_engine_process_requests_rerun_on_the_survivor(tmp_path, default_
 
         # an engine that comes back registers again (dead -> alive) and serves
         procs.append(EngineProcess("fo-0", server.url, engine_args=TINY_ENGINE, heartbeat_s=0.3, output=log))
-        _wait(lambda: "fo-0" in _live(server.url), 180, "the restarted engine to register")
+        wait_until(lambda: "fo-0" in _live(server.url), 180, "the restarted engine to register")
         assert polish("again", session=session).get(timeout=60)
     finally:
         if session is not None:
@@ -303,7 +289,7 @@ def test_parrot_serve_starts_engine_children_that_die_with_it(default_model_path
             except httpx.HTTPError:
                 return False
 
-        _wait(up, 180, "both engine children to register")
+        wait_until(up, 180, "both engine children to register")
         policy = httpx.get(f"{url}/api/v1/stats", timeout=5).json()["scheduler"]["policy"]
         assert policy == "fifo-throughput"
     finally:
@@ -319,7 +305,7 @@ def test_parrot_serve_starts_engine_children_that_die_with_it(default_model_path
             return True
 
     try:
-        _wait(lambda: all(gone(p) for p in children), 30, "engine children to exit")
+        wait_until(lambda: all(gone(p) for p in children), 30, "engine children to exit")
     finally:
         for pid in children:
             if not gone(pid):

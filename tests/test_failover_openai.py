@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 
 import httpx
 import pytest
@@ -16,6 +15,7 @@ from parrot.api.completions import CompletionService
 from parrot.api.schemas import CompletionRequest
 from parrot.common.errors import EngineUnavailable
 from parrot.manager import EngineRegistry, EngineState, Manager, ManagerConfig
+from engine_procs import TINY_ENGINE, wait_until
 from fakes import TAIL, FakeEngine
 
 
@@ -189,19 +189,6 @@ def test_stream_error_event_over_http():
 
 
 # ---- real engine processes -------------------------------------------------------------------------------------
-TINY_ENGINE = ["--random-model", "tiny", "--dtype", "float32", "--weight-quant", "none", "--num-threads", "1",
-               "--kv-cache-tokens", "16384"]
-
-
-def _wait(cond, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
 
 def test_killed_engine_process_completion_reruns_on_the_survivor(tmp_path, default_model_path):
     from parrot.api.app import create_app
@@ -218,7 +205,7 @@ def test_killed_engine_process_completion_reruns_on_the_survivor(tmp_path, defau
             engines = httpx.get(f"{server.url}/api/v1/engines", timeout=5).json()["engines"]
             return {e["name"] for e in engines if e["healthy"]}
 
-        _wait(lambda: live() == {"oa-0", "oa-1"}, 180, "two engines to register")
+        wait_until(lambda: live() == {"oa-0", "oa-1"}, 180, "two engines to register")
         model = httpx.get(f"{server.url}/v1/models", timeout=5).json()["data"][0]["id"]
         result: dict = {}
 
@@ -235,7 +222,7 @@ def test_killed_engine_process_completion_reruns_on_the_survivor(tmp_path, defau
             engines = httpx.get(f"{server.url}/api/v1/stats", timeout=5).json()["scheduler"]["engines"]
             return next((name for name, e in engines.items() if e["requests"]), None)
 
-        victim = _wait(serving, 60, "the completion to be placed")
+        victim = wait_until(serving, 60, "the completion to be placed")
         next(p for p in procs if p.name == victim).kill()  # SIGKILL mid-generation
         client.join(120)
         assert not client.is_alive()
