@@ -23,7 +23,7 @@ import itertools
 import time
 from collections.abc import AsyncIterator
 
-from parrot.common.errors import ContextLengthExceeded, EngineError, UnknownContext
+from parrot.common.errors import ContextLengthExceeded, EngineError, EngineUnavailable, UnknownContext
 from parrot.common.sampling import FinishReason, SamplingParams
 from parrot.engine.interface import (
     EngineClient,
@@ -222,3 +222,40 @@ class FakeEngine(EngineClient):
         """Fill calls that created a context as a child of another (``parent_context_id`` given)."""
         return [c for c in self.calls if c[0] in ("fill", "generate") and c[2] is not None]
 
+
+class UnreachableEngine(FakeEngine):
+    """A FakeEngine that can go down: once ``down`` is set, every call raises EngineUnavailable (as a refused
+    connection would). Subclasses in the failover tests decide when it goes down."""
+
+    def __init__(self, name: str, **kw) -> None:
+        super().__init__(name, **kw)
+        self.down = False
+
+    def _check(self) -> None:
+        if self.down:
+            raise EngineUnavailable(f"engine {self.name} unreachable (connection refused)")
+
+    async def fill(self, token_ids, context_id, parent_context_id=None):
+        self._check()
+        return await super().fill(token_ids, context_id, parent_context_id)
+
+    async def generate(self, sampling, context_id, parent_context_id=None):
+        self._check()
+        return await super().generate(sampling, context_id, parent_context_id)
+
+    async def generate_stream(self, sampling, context_id, parent_context_id=None):
+        self._check()
+        async for chunk in super().generate_stream(sampling, context_id, parent_context_id):
+            yield chunk
+
+    async def tokenize(self, text):
+        self._check()
+        return await super().tokenize(text)
+
+    async def status(self):
+        self._check()
+        return await super().status()
+
+    async def free_context(self, context_id):
+        self._check()
+        return await super().free_context(context_id)

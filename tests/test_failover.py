@@ -14,46 +14,23 @@ from parrot.manager import EngineRegistry, EngineState, Manager, ManagerConfig
 from parrot.manager.graph import RequestStatus
 from parrot.manager.submit import PlaceholderSpec, SubmitSpec
 from engine_procs import TINY_ENGINE, wait_until
-from fakes import TAIL, FakeEngine
+from fakes import TAIL, FakeEngine, UnreachableEngine
 
 
-class FlakyEngine(FakeEngine):
-    """A fake engine that becomes unreachable: every call raises EngineUnavailable once ``down``; with
-    ``die_on_generate=n`` it goes down during its n-th generate call."""
+class FlakyEngine(UnreachableEngine):
+    """Goes unreachable during its ``die_on_generate``-th generate call (or when a test sets ``down``)."""
 
     def __init__(self, name: str, *, die_on_generate: int | None = None) -> None:
         super().__init__(name)
-        self.down = False
         self.die_on_generate = die_on_generate
         self.generates = 0
-
-    def _check(self) -> None:
-        if self.down:
-            raise EngineUnavailable(f"engine {self.name} unreachable (connection refused)")
-
-    async def fill(self, token_ids, context_id, parent_context_id=None):
-        self._check()
-        return await super().fill(token_ids, context_id, parent_context_id)
 
     async def generate(self, sampling, context_id, parent_context_id=None):
         self._check()
         self.generates += 1
         if self.generates == self.die_on_generate:
             self.down = True
-            self._check()
         return await super().generate(sampling, context_id, parent_context_id)
-
-    async def tokenize(self, text):
-        self._check()
-        return await super().tokenize(text)
-
-    async def status(self):
-        self._check()
-        return await super().status()
-
-    async def free_context(self, context_id):
-        self._check()
-        return await super().free_context(context_id)
 
 
 class FakeClock:

@@ -16,28 +16,18 @@ from parrot.api.schemas import CompletionRequest
 from parrot.common.errors import EngineUnavailable
 from parrot.manager import EngineRegistry, EngineState, Manager, ManagerConfig
 from engine_procs import TINY_ENGINE, wait_until
-from fakes import TAIL, FakeEngine
+from fakes import TAIL, FakeEngine, UnreachableEngine
 
 
-class DyingEngine(FakeEngine):
-    """Becomes unreachable (every call raises EngineUnavailable) after streaming ``die_after_tokens`` tokens of
-    a generation (0: at the start of its first generation)."""
+class DyingEngine(UnreachableEngine):
+    """Becomes unreachable after streaming ``die_after_tokens`` tokens of a generation (0: at the start of its
+    first generation)."""
 
     def __init__(self, name: str, *, die_after_tokens: int | None = None) -> None:
         super().__init__(name, max_model_len=1024)
         self.die_after_tokens = die_after_tokens
-        self.down = False
-
-    def _check(self) -> None:
-        if self.down:
-            raise EngineUnavailable(f"engine {self.name} unreachable (connection refused)")
-
-    async def fill(self, token_ids, context_id, parent_context_id=None):
-        self._check()
-        return await super().fill(token_ids, context_id, parent_context_id)
 
     async def generate_stream(self, sampling, context_id, parent_context_id=None):
-        self._check()
         n = 0
         async for chunk in super().generate_stream(sampling, context_id, parent_context_id):
             if self.die_after_tokens is not None and n >= self.die_after_tokens:
@@ -45,18 +35,6 @@ class DyingEngine(FakeEngine):
                 self._check()
             n += len(chunk.token_ids)
             yield chunk
-
-    async def tokenize(self, text):
-        self._check()
-        return await super().tokenize(text)
-
-    async def status(self):
-        self._check()
-        return await super().status()
-
-    async def free_context(self, context_id):
-        self._check()
-        return await super().free_context(context_id)
 
 
 def run(engines, body, *, registry_clock=None):

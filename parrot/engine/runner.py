@@ -16,6 +16,7 @@ import torch
 
 from parrot.engine.context import Context, Op
 from parrot.engine.core import StepOutput
+from parrot.engine.decode_groups import min_shared_blocks, shared_prefix_groups
 from parrot.engine.layers.attention import BlockRef, DecodeGroup, PagedAttention, PrefillMeta
 from parrot.engine.sampler import Sampler
 from parrot.engine.scheduler.scheduler import BatchPlan, Chunk
@@ -39,7 +40,7 @@ class ModelRunner:
         ]
         self.scale = cfg.head_dim ** -0.5
         self.shared_prefix_attention = shared_prefix_attention
-        self.min_shared_blocks = max(1, -(-min_shared_tokens // block_size))
+        self.min_shared_blocks = min_shared_blocks(min_shared_tokens, block_size)
         self.num_shared_prefix_rows = 0  # decode rows served by the shared-prefix path (a metric)
         # the native paged-decode op (parrot.engine.kernels) or None for the pure-torch path
         self.decode_kernel = decode_kernel
@@ -105,30 +106,14 @@ class ModelRunner:
         return StepOutput(computed, tuple(last_hidden), sampled)
 
     def _decode_groups(self, decodes: list[Chunk]) -> tuple[list[Chunk], list[DecodeGroup]]:
-        """Order decode rows as [plain | shared group 1 | shared group 2 ...] and describe each group.
-
-        Rows whose block tables start with the same >= ``min_shared_blocks`` full blocks (forks of one
-        context, or prefix-cache hits on the same blocks) form a shared-prefix group."""
+        """Order decode rows as [plain | shared group 1 | shared group 2 ...] and describe each group
+        (the grouping rule: parrot.engine.decode_groups)."""
         if not decodes:
             return decodes, []
-        bs = self.block_size
-        by_first: dict[int, list[Chunk]] = {}
-        plain: list[Chunk] = []
         if self.shared_prefix_attention and len(decodes) > 1:
-            for c in decodes:
-                if c.start // bs >= self.min_shared_blocks:
-                    by_first.setdefault(c.op.ctx.block_table[0], []).append(c)
-                else:
-                    plain.append(c)
+            plain, shared = shared_prefix_groups(decodes, self.block_size, self.min_shared_blocks)
         else:
-            plain = list(decodes)
-        shared: list[tuple[int, list[Chunk]]] = []
-        for members in by_first.values():
-            P = self._common_blocks(members)
-            if len(members) >= 2 and P >= self.min_shared_blocks:
-                shared.append((P, members))
-            else:
-                plain.extend(members)
+            plain, shared = list(decodes), []
         groups: list[DecodeGroup] = []
         ordered: list[Chunk] = []
         if plain:
@@ -139,16 +124,6 @@ class ModelRunner:
             groups.append(self._group(len(ordered), members, P))
             ordered.extend(members)
         return ordered, groups
-
-    def _common_blocks(self, members: list[Chunk]) -> int:
-        """Leading block ids common to all members, limited to blocks wholly before each one's new token."""
-        bs = self.block_size
-        limit = min(c.start // bs for c in members)
-        first = members[0].op.ctx.block_table
-        P = 0
-        while P < limit and all(c.op.ctx.block_table[P] == first[P] for c in members):
-            P += 1
-        return P
 
     def _group(self, row0: int, chunks: list[Chunk], P: int) -> DecodeGroup:
         bs = self.block_size

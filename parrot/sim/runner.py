@@ -9,11 +9,8 @@ tells the scheduler that the last token's logits are available (a later Generate
 Cost of a plan (see :mod:`parrot.sim.cost_model`): prefill chunks count their tokens P and query-key pairs A;
 decode rows (one new token at the end of the context) count D and the context tokens C their attention reads.
 With shared-prefix attention (the builtin engine's kernel, paper §7) decode rows whose block tables begin with
-the same blocks read that prefix once per group, the grouping rule of the ModelRunner::
-
-    row 1:  [b7][b2][b9][b4]      b7 b2 b9 shared by rows 1-3: read once, not three times
-    row 2:  [b7][b2][b9][b11]
-    row 3:  [b7][b2][b9][b5][b6]
+the same blocks read that prefix once per group -- the ModelRunner's own grouping rule,
+:func:`parrot.engine.decode_groups.shared_prefix_groups`.
 """
 
 from __future__ import annotations
@@ -23,6 +20,7 @@ import weakref
 
 from parrot.engine.context import Op
 from parrot.engine.core import StepOutput
+from parrot.engine.decode_groups import min_shared_blocks, shared_prefix_groups
 from parrot.engine.scheduler.scheduler import BatchPlan, Chunk
 from parrot.sim.cost_model import CostModel
 from parrot.sim.tokenizer import EOS, GEN_TOKEN, OutputLengths
@@ -47,7 +45,7 @@ class SimRunner:
         self.rng = rng
         self.output_lengths = output_lengths
         self.shared_prefix_attention = shared_prefix_attention
-        self.min_shared_blocks = max(1, -(-min_shared_tokens // cost.block_size))  # as ModelRunner's default
+        self.min_shared_blocks = min_shared_blocks(min_shared_tokens, cost.block_size)
         self.num_shared_prefix_rows = 0  # decode rows that read a shared prefix once per group (a metric)
         # generation length of each op, drawn at its first token; dropped with the op
         self._targets: weakref.WeakKeyDictionary[Op, int] = weakref.WeakKeyDictionary()
@@ -99,41 +97,11 @@ class SimRunner:
         return self.cost.iteration_s(p, a, d + sample_only, c)
 
     def _prefix_tokens_read_once(self, decodes: list[Chunk]) -> int:
-        """Context tokens the shared-prefix kernel does not re-read: per group of >= 2 decode rows whose tables
-        start with the same >= ``min_shared_blocks`` blocks (wholly before each row's new token), all rows but
-        one skip the common blocks."""
-        bs = self.cost.block_size
-        rows = [ch for ch in decodes if ch.start // bs >= self.min_shared_blocks]
-        firsts = [ch.op.ctx.block_table[0] for ch in rows]
-        if len(set(firsts)) == len(firsts):  # the usual case: no two rows share even a first block
-            return 0
-        by_first: dict[int, list[Chunk]] = {}
-        for ch, first in zip(rows, firsts):
-            by_first.setdefault(first, []).append(ch)
+        """Context tokens the shared-prefix kernel does not re-read: in each group of the runner's rule
+        (parrot.engine.decode_groups), all rows but one skip the common blocks."""
+        _, groups = shared_prefix_groups(decodes, self.cost.block_size, self.min_shared_blocks)
         saved = 0
-        for rows in by_first.values():
-            if len(rows) < 2:
-                continue
-            common = min(ch.start // bs for ch in rows)
-            head = rows[0].op.ctx.block_table
-            for ch in rows[1:]:
-                common = _common_prefix(head, ch.op.ctx.block_table, common)
-            if common >= self.min_shared_blocks:
-                saved += (len(rows) - 1) * common * bs
-                self.num_shared_prefix_rows += len(rows)
+        for common, rows in groups:
+            saved += (len(rows) - 1) * common * self.cost.block_size
+            self.num_shared_prefix_rows += len(rows)
         return saved
-
-
-def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    """Length of the common prefix of ``a`` and ``b``, at most ``limit`` (binary search over C-speed slice
-    compares: prefix equality is monotone in the length)."""
-    if a[:limit] == b[:limit]:
-        return limit
-    lo, hi = 0, limit  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
