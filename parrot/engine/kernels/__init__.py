@@ -1,15 +1,16 @@
 """Native CPU kernels (C++ torch ops), built once on the machine that runs them.
 
-``python -m parrot.engine.kernels`` compiles ``paged_attention.cpp`` with the system C++ compiler against the
-installed torch (``scripts/setup.sh`` runs it) into ``_build/`` next to this file, or into
+``python -m parrot.engine.kernels`` compiles every ``*.cpp`` here (one op family per file, all registered in the
+``torch.ops.parrot_kernels`` namespace) with the system C++ compiler against the installed torch
+(``scripts/setup.sh`` runs it) into one library in ``_build/`` next to this file, or in
 ``$XDG_CACHE_HOME/parrot/kernels`` when the package directory is read-only. The library name carries a hash
-of the source, the torch version and the flags, so a stale build is never loaded.
+of the sources, the torch version and the flags, so a stale build is never loaded.
 
 The library links torch's own OpenMP runtime, so its ``at::parallel_for`` shares the intra-op thread pool with
 the rest of the model (a second OpenMP runtime would make two sets of threads spin against each other).
 
-Nothing here is required: without a compiler (or with ``attention_kernel="torch"``) the engine uses the
-pure-torch gather + SDPA path, which computes the same attention.
+Nothing here is required: without a compiler (or with ``attention_kernel="torch"``) the engine uses pure torch
+(gather + SDPA for attention, oneDNN for the matmuls), which computes the same results.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_DIR = Path(__file__).parent
 _CXXFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++20", "-fPIC", "-shared", "-w")
 _lock = threading.Lock()
 _loaded: dict[str, bool] = {}
@@ -43,12 +44,19 @@ def _torch_dirs() -> tuple[Path, list[Path]]:
     return root / "lib", [root / "include", root / "include" / "torch" / "csrc" / "api" / "include"]
 
 
+def sources() -> list[Path]:
+    """The C++ sources compiled into the library (sorted, so the hash is stable)."""
+    return sorted(_DIR.glob("*.cpp"))
+
+
 def library_path() -> Path:
     """Where the compiled library for this source + torch + flags lives (it may not exist yet)."""
     import torch
 
-    digest = hashlib.sha1(_SOURCE.read_bytes() + torch.__version__.encode() + " ".join(_CXXFLAGS).encode())
-    name = f"paged_attention-{digest.hexdigest()[:12]}.so"
+    digest = hashlib.sha1(torch.__version__.encode() + " ".join(_CXXFLAGS).encode())
+    for src in sources():
+        digest.update(src.name.encode() + src.read_bytes())
+    name = f"parrot_kernels-{digest.hexdigest()[:12]}.so"
     local = Path(__file__).with_name("_build")
     if os.access(Path(__file__).parent, os.W_OK):
         return local / name
@@ -68,22 +76,35 @@ def build(force: bool = False) -> Path:
     # compile to a temp file in the same directory, then rename: concurrent builders never see half a library
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cxx, *_CXXFLAGS, *(f"-I{p}" for p in includes), str(_SOURCE), f"-L{lib_dir}", "-ltorch_cpu", "-lc10",
-           f"-Wl,-rpath,{lib_dir}", "-o", tmp]
+    objs: list[str] = []
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        # one compiler process per source, run side by side, then one link
+        procs = []
+        for src in sources():
+            fd, obj = tempfile.mkstemp(suffix=".o", dir=out.parent)
+            os.close(fd)
+            objs.append(obj)
+            cmd = [cxx, *_CXXFLAGS, "-c", *(f"-I{p}" for p in includes), str(src), "-o", obj]
+            procs.append((src, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+        for src, proc in procs:
+            _, err = proc.communicate(timeout=600)
+            if proc.returncode != 0:
+                raise KernelBuildError(f"compiling {src.name} failed:\n{err[-4000:]}")
+        link = [cxx, *_CXXFLAGS, *objs, f"-L{lib_dir}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib_dir}", "-o", tmp]
+        proc = subprocess.run(link, capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
-            raise KernelBuildError(f"compiling {_SOURCE.name} failed:\n{proc.stderr[-4000:]}")
+            raise KernelBuildError(f"linking {out.name} failed:\n{proc.stderr[-4000:]}")
         os.replace(tmp, out)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for f in (tmp, *objs):
+            if os.path.exists(f):
+                os.unlink(f)
     log.info("built %s", out)
     return out
 
 
-def load_paged_decode(*, build_if_missing: bool = False):
-    """The ``paged_decode`` op (see paged_attention.cpp), or None when the library is not built (and
+def load_kernels(*, build_if_missing: bool = False):
+    """The ``torch.ops.parrot_kernels`` namespace, or None when the library is not built (and
     ``build_if_missing`` is False). Raises KernelBuildError when a build was asked for and failed."""
     import torch
 
@@ -97,14 +118,20 @@ def load_paged_decode(*, build_if_missing: bool = False):
                 build()
             torch.ops.load_library(key)
             _loaded[key] = True
-    return torch.ops.parrot_kernels.paged_decode
+    return torch.ops.parrot_kernels
+
+
+def load_paged_decode(*, build_if_missing: bool = False):
+    """The ``paged_decode`` op (see paged_attention.cpp), or None; see :func:`load_kernels`."""
+    ops = load_kernels(build_if_missing=build_if_missing)
+    return None if ops is None else ops.paged_decode
 
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         path = build(force="--force" in sys.argv[1:])
-        load_paged_decode()
+        load_kernels()
     except (KernelBuildError, OSError, RuntimeError) as e:
         log.warning("native kernels not available (the engine falls back to pure torch): %s", e)
         return 0 if "--strict" not in sys.argv[1:] else 1

@@ -274,7 +274,7 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
 
 }  // namespace
 
-TORCH_LIBRARY(parrot_kernels, m) {
+TORCH_LIBRARY_FRAGMENT(parrot_kernels, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "float scale, bool want_lse) -> (Tensor, Tensor)");
 }
