@@ -7,17 +7,30 @@ multiply. ``torch.ops.mkldnn._reorder_linear_weight`` does the re-layout once, f
 ``F.linear`` (same micro-kernels); measured on the dev box (1 thread, SmolLM2 shapes) 1.3-2x faster for 2-128 rows
 (the 49152 x 576 head at 64 rows: 21.7 -> 10.9 ms), and a weight packed for 512 rows runs a 512-row prefill
 ~1.7x faster than the dense call. fp32 weights gain nothing (slower below 8 rows) and are not packed.
+
+On a CPU with AMX, the decode pack is instead the layout of the native ``amx_linear`` kernel
+(parrot/engine/kernels/amx_gemm.cpp) when the library is built and the shape allows it (both dims multiples of
+32): at 2-32 rows it streams the weights at the machine's read bandwidth, ~2x oneDNN (SmolLM2's 30 layers at 16 rows,
+2 threads: 21 -> 11 ms); from 33 rows on the oneDNN prefill pack runs (as fast as the kernel at 64 rows, faster
+above), so there are still two bf16 copies.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 from torch import Tensor
+
+log = logging.getLogger(__name__)
 
 # rows the two packs are laid out for, and the row count above which the prefill pack is used
 DECODE_PACK_ROWS = 64
 PREFILL_PACK_ROWS = 512
 DECODE_PACK_MAX_ROWS = 128
+# rows up to which the AMX kernel's pack is used (above: the oneDNN prefill pack)
+AMX_MAX_ROWS = 32
 
 
 def packed_gemm_available(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -40,3 +53,25 @@ def pack_weight(weight: Tensor, rows: int) -> Tensor:
 def packed_linear(x: Tensor, packed: Tensor) -> Tensor:
     """``x @ W.T`` for 2-D ``x`` with a weight from :func:`pack_weight`."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [None], "")
+
+
+@functools.cache
+def amx_ops():
+    """The native kernels namespace when its ``amx_linear`` runs on this CPU/OS, else None (checked once: AMX
+    needs the CPU feature, a kernel build with AMX enabled, and the OS granting tile state to the process)."""
+    from parrot.engine.kernels import KernelBuildError, load_kernels
+
+    try:
+        ops = load_kernels(build_if_missing=False)
+    except (KernelBuildError, OSError, RuntimeError) as e:
+        log.warning("native kernels failed to load (%s); using oneDNN for decode matmuls", e)
+        return None
+    if ops is None or not hasattr(ops, "amx_linear") or not ops.amx_available():
+        return None
+    return ops
+
+
+def amx_packable(weight: Tensor) -> bool:
+    """Whether ``amx_pack`` takes this weight (bf16 on the CPU, both dims multiples of 32)."""
+    n, k = weight.shape
+    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and n % 32 == 0 and k % 32 == 0
