@@ -84,8 +84,11 @@ class Sampler:
         out = [0] * len(ops)
         greedy = [i for i, op in enumerate(ops) if op.sampling.greedy]  # type: ignore[union-attr]
         if greedy:
-            idx = torch.tensor(greedy, dtype=torch.long, device=logits.device)
-            ids = argmax_rows(logits.index_select(0, idx)).tolist()
+            if len(greedy) == len(ops):  # the common all-greedy batch: no copy of the [N, vocab] logits
+                rows = logits
+            else:
+                rows = logits.index_select(0, torch.tensor(greedy, dtype=torch.long, device=logits.device))
+            ids = argmax_rows(rows).tolist()
             for i, t in zip(greedy, ids):
                 out[i] = t
         sampled = [i for i, op in enumerate(ops) if not op.sampling.greedy]  # type: ignore[union-attr]
