@@ -91,3 +91,18 @@ def test_fast_linear_uses_amx_for_decode_rows_and_onednn_above(amx, monkeypatch)
     assert odd.amx_weight is None and odd.packed_decode is not None
     x = torch.randn(3, 64).bfloat16()
     assert torch.equal(odd(x), F.linear(x, odd.dense_weight()))
+
+
+def test_engine_setting_torch_turns_the_amx_matmul_off(amx) -> None:
+    """attention_kernel="torch" means pure torch everywhere: no layer keeps calling the native matmul."""
+    from parrot.engine.builder import build_engine
+    from parrot.engine.settings import EngineSettings
+
+    layers = {}
+    for mode in ("auto", "torch"):
+        eng = build_engine(EngineSettings(random_model="tiny", dtype="bfloat16", attention_kernel=mode))
+        try:
+            layers[mode] = [m.amx is not None for m in eng.runner.model.modules() if isinstance(m, FastLinear)]
+        finally:
+            eng.shutdown()
+    assert any(layers["auto"]) and not any(layers["torch"])

@@ -10,6 +10,8 @@ import torch
 from parrot.engine.config import ModelConfig
 from parrot.engine.engine import LLMEngine
 from parrot.engine.kv_cache.block_pool import BlockPool
+from parrot.engine.layers.linear import FastLinear
+from parrot.engine.layers.packed import AMX_MAX_ROWS
 from parrot.engine.local_client import LocalEngineClient
 from parrot.engine.model_files import resolve_model_path
 from parrot.engine.runner import ModelRunner
@@ -62,8 +64,15 @@ def build_engine(settings: EngineSettings, *, model=None, tokenizer=None) -> LLM
         num_blocks = max(1, settings.kv_cache_bytes // ModelRunner.kv_bytes_per_block(cfg, bs, elem))
     pool = BlockPool(num_blocks, bs, enable_prefix_cache=settings.enable_prefix_cache)
     sampler = Sampler(tokenizer.eos_token_ids, base_seed=settings.seed)
+    native = _native_ops(settings)
+    if model.use_fused_ops(native):  # None (or a float32 model) keeps / restores the torch path
+        log.info("engine %s: native fused norm / SwiGLU ops in use", settings.name)
+    amx = [m.use_amx(native is not None) for m in model.modules() if isinstance(m, FastLinear)]
+    if any(amx):
+        log.info("engine %s: AMX matmul for 2-%d rows in %d of %d linear layers", settings.name, AMX_MAX_ROWS,
+                 sum(amx), len(amx))
     runner = ModelRunner(model, num_blocks, bs, sampler, shared_prefix_attention=settings.shared_prefix_attention,
-                         decode_kernel=_decode_kernel(settings))
+                         decode_kernel=None if native is None else native.paged_decode)
     scheduler = Scheduler(pool, settings.max_num_seqs, settings.max_batch_tokens)
     engine = LLMEngine(name=settings.name, model_name=model_name, runner=runner, pool=pool, scheduler=scheduler,
                        tokenizer=tokenizer, max_model_len=max_len)
@@ -73,9 +82,10 @@ def build_engine(settings: EngineSettings, *, model=None, tokenizer=None) -> LLM
     return engine
 
 
-def _decode_kernel(settings: EngineSettings):
-    """The native paged-decode op per ``settings.attention_kernel`` (None = the pure-torch path)."""
-    from parrot.engine.kernels import KernelBuildError, load_paged_decode
+def _native_ops(settings: EngineSettings):
+    """The native kernels (``torch.ops.parrot_kernels``: the paged-decode op, the fused norm / SwiGLU ops) per
+    ``settings.attention_kernel``, or None for the pure-torch path."""
+    from parrot.engine.kernels import KernelBuildError, load_kernels
 
     if settings.attention_kernel == "torch":
         return None
@@ -84,15 +94,15 @@ def _decode_kernel(settings: EngineSettings):
             raise ValueError(f"attention_kernel='native' is a CPU kernel; device is {settings.device!r}")
         return None
     try:
-        op = load_paged_decode(build_if_missing=settings.attention_kernel == "native")
+        ops = load_kernels(build_if_missing=settings.attention_kernel == "native")
     except (KernelBuildError, OSError, RuntimeError) as e:
         if settings.attention_kernel == "native":
             raise ValueError(f"attention_kernel='native' is not available: {e}") from e
-        log.warning("native paged-decode kernel failed to load, using the torch path: %s", e)
+        log.warning("native kernels failed to load, using the torch path: %s", e)
         return None
-    if op is None:
-        log.info("native paged-decode kernel not built (python -m parrot.engine.kernels); using the torch path")
-    return op
+    if ops is None:
+        log.info("native kernels not built (python -m parrot.engine.kernels); using the torch path")
+    return ops
 
 
 def build_local_engine_client(settings: EngineSettings | None = None, **kw) -> LocalEngineClient:

@@ -42,9 +42,10 @@ class EngineSettings(BaseSettings):
     )
     attention_kernel: Literal["auto", "native", "torch"] = Field(
         "auto",
-        description="decode attention: native = the C++ paged-decode kernel (reads KV blocks in place; built by "
-        "`python -m parrot.engine.kernels`, error if unavailable), torch = gather + SDPA, auto = native on the "
-        "CPU when built, else torch",
+        description="native CPU kernels: native = the C++ library (paged-decode attention reading KV blocks in "
+        "place, fused norm / SwiGLU ops, the AMX matmul for 2-32 rows; built by `python -m parrot.engine.kernels`, "
+        "error if unavailable), torch = pure torch (gather + SDPA, torch norms, oneDNN matmuls), auto = native on "
+        "the CPU when built, else torch",
     )
     seed: int = Field(0, description="base seed for sampling without an explicit per-request seed")
     random_model: Literal["tiny"] | None = Field(

@@ -103,7 +103,7 @@ class FastLinear(nn.Module):
             self.quant_max_rows = quant_max_rows
         dense = weight.to(dtype).contiguous()
         self.dtype = dense.dtype
-        self.amx = amx_ops() if pack and amx_packable(dense) else None
+        self.amx = amx_ops() if pack and amx_packable(dense) else None  # use_amx(False) switches it off
         self.amx_weight = self.amx.amx_pack(dense) if self.amx is not None else None
         self.packed_decode = pack_weight(dense, DECODE_PACK_ROWS) if pack and self.amx is None else None
         self.packed_prefill = pack_weight(dense, PREFILL_PACK_ROWS) if pack else None
@@ -127,12 +127,18 @@ class FastLinear(nn.Module):
             if x.dtype == self.int8_dtype:
                 return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
             return torch.ops.aten._weight_int8pack_mm(x.to(self.int8_dtype), self.qweight, self.scales).to(x.dtype)
-        if self.amx_weight is not None and rows <= AMX_MAX_ROWS:
+        if self.amx is not None and rows <= AMX_MAX_ROWS:
             return self.amx.amx_linear(x, self.amx_weight)
         if self.packed_prefill is not None:
             small = self.packed_decode is not None and rows <= DECODE_PACK_MAX_ROWS
             return packed_linear(x, self.packed_decode if small else self.packed_prefill)
         return F.linear(x, self.weight)
+
+    def use_amx(self, enabled: bool) -> bool:
+        """Switch the AMX kernel off (the oneDNN prefill pack, as fast from 2 rows up to 128, then runs every
+        packed call) or back on when this layer has its weight. Returns whether it is on."""
+        self.amx = amx_ops() if enabled and self.amx_weight is not None else None
+        return self.amx is not None
 
     def dense_weight(self) -> Tensor:
         """The weight as a dense tensor in the compute dtype."""

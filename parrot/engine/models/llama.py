@@ -11,6 +11,10 @@ The residual stream ``h`` and the RMSNorm weights stay float32 whatever the comp
 without dtype round trips (measured ~40% cheaper than a bf16 norm at T=512) and the residual keeps fp32
 precision; only the matmul inputs/outputs (and attention) are in the compute dtype.
 
+With native fused ops (:meth:`LlamaForCausalLM.use_fused_ops`, bf16 on the CPU) each residual add runs fused with
+the norm after it, ``x = rms_norm(h += delta)`` in one pass per row, and silu(gate) * up is one op; the math
+is the same (fp32 inside), only the rounding of the intermediate bf16 tensors differs.
+
 Weights arrive as float32 under canonical (HF) names from parrot.engine.loader and are fused and cast here.
 """
 
@@ -46,6 +50,20 @@ class AttentionBackend(Protocol):
         ...
 
 
+class FusedOps(Protocol):
+    """The native fused elementwise ops (parrot/engine/kernels/fused.cpp, ``torch.ops.parrot_kernels``)."""
+
+    def rms_norm_cast(self, x: Tensor, weight: Tensor, eps: float, dtype: torch.dtype) -> Tensor: ...
+
+    def add_rms_norm_cast(self, h: Tensor, delta: Tensor, weight: Tensor, eps: float, dtype: torch.dtype) -> Tensor:
+        ...
+
+    def silu_mul(self, gate_up: Tensor) -> Tensor: ...
+
+
+FUSED_OP_NAMES = ("rms_norm_cast", "add_rms_norm_cast", "silu_mul")
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, *, input_norm: Tensor, qkv_proj: FastLinear,
                  o_proj: FastLinear, post_norm: Tensor, gate_up_proj: FastLinear, down_proj: FastLinear) -> None:
@@ -65,15 +83,30 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, h: Tensor, rot: Tensor, attn: AttentionBackend) -> Tensor:
         """Updates the float32 residual stream ``h`` [T, H] in place and returns it."""
-        t, dtype = h.shape[0], self.compute_dtype
-        qkv = self.qkv_proj(F.rms_norm(h, self.norm_shape, self.input_norm, self.eps).to(dtype))
-        # q and k are adjacent in qkv, so one RoPE call rotates both; v stays a view of qkv
-        qk = RotaryEmbedding.apply(qkv[:, : self.qk_size].view(t, self.qk_heads, self.head_dim), rot)
-        v = qkv[:, self.qk_size:].view(t, self.num_kv_heads, self.head_dim)
-        h.add_(self.o_proj(attn(self.layer_idx, qk[:, : self.num_heads], qk[:, self.num_heads:], v)))
+        dtype = self.compute_dtype
+        h.add_(self._attention(F.rms_norm(h, self.norm_shape, self.input_norm, self.eps).to(dtype), rot, attn))
         gate_up = self.gate_up_proj(F.rms_norm(h, self.norm_shape, self.post_norm, self.eps).to(dtype))
         h.add_(self.down_proj(F.silu(gate_up[:, : self.inter]).mul_(gate_up[:, self.inter:])))
         return h
+
+    def forward_fused(self, h: Tensor, x: Tensor, rot: Tensor, attn: AttentionBackend, next_norm: Tensor,
+                      ops: FusedOps) -> Tensor:
+        """The same layer on native fused ops. ``x`` is this layer's normed input (compute dtype); updates ``h``
+        in place and returns ``rms_norm(h, next_norm)``, the next layer's input (or the final norm's output):
+        each residual add runs fused with the norm that follows it."""
+        dtype = self.compute_dtype
+        x = ops.add_rms_norm_cast(h, self._attention(x, rot, attn), self.post_norm, self.eps, dtype)
+        mlp = self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        return ops.add_rms_norm_cast(h, mlp, next_norm, self.eps, dtype)
+
+    def _attention(self, x: Tensor, rot: Tensor, attn: AttentionBackend) -> Tensor:
+        """Normed input [T, H] -> o_proj(attention) [T, H] in the compute dtype."""
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        # q and k are adjacent in qkv, so one RoPE call rotates both; v stays a view of qkv
+        qk = RotaryEmbedding.apply(qkv[:, : self.qk_size].view(t, self.qk_heads, self.head_dim), rot)
+        v = qkv[:, self.qk_size:].view(t, self.num_kv_heads, self.head_dim)
+        return self.o_proj(attn(self.layer_idx, qk[:, : self.num_heads], qk[:, self.num_heads:], v))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -86,6 +119,17 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("norm", norm)  # float32
         self.lm_head = lm_head
         self.rotary = RotaryEmbedding(config, device=embed_tokens.device)
+        self.fused_ops: FusedOps | None = None  # see use_fused_ops
+
+    def use_fused_ops(self, ops: FusedOps | None) -> bool:
+        """Run the norms, residual adds and SwiGLU through native fused ops (``torch.ops.parrot_kernels``, see
+        parrot.engine.kernels) instead of torch's op chains; None restores the torch path. Taken only by a
+        bfloat16 model on the CPU (the decode fast path; float32 keeps torch's exact op order, e.g. for tests
+        that compare tokens with HF). Returns whether the fused path is now in use."""
+        usable = (ops is not None and self.dtype == torch.bfloat16 and self.device.type == "cpu"
+                  and all(hasattr(ops, name) for name in FUSED_OP_NAMES))
+        self.fused_ops = ops if usable else None
+        return usable
 
     @property
     def dtype(self) -> torch.dtype:
@@ -101,9 +145,16 @@ class LlamaForCausalLM(nn.Module):
         # a fresh float32 tensor: the layers add into it in place
         h = F.embedding(input_ids, self.embed_tokens).float()
         rot = self.rotary.table(positions)  # once per forward, shared by all layers
+        eps, ops = self.config.rms_norm_eps, self.fused_ops
+        if ops is not None:
+            x = ops.rms_norm_cast(h, self.layers[0].input_norm, eps, self.dtype)
+            for i, layer in enumerate(self.layers):
+                nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+                x = layer.forward_fused(h, x, rot, attn, nxt, ops)
+            return x
         for layer in self.layers:
             h = layer(h, rot, attn)
-        return F.rms_norm(h, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps).to(self.dtype)
+        return F.rms_norm(h, (self.config.hidden_size,), self.norm, eps).to(self.dtype)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: Tensor) -> Tensor:

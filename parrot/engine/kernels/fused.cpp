@@ -1,0 +1,241 @@
+// Fused elementwise ops of the LLaMA decoder layer on the CPU (one pass over each row instead of torch's chain of
+// pow / mean / add / rsqrt / mul / copy kernels, each of which reads and writes the whole tensor):
+//
+//     rms_norm_cast(x, w, eps, dtype)            out = x * rsqrt(mean(x^2) + eps) * w, cast to dtype
+//     add_rms_norm_cast(h, delta, w, eps, dtype) h += delta (in place), then out = rms_norm(h) in dtype
+//     silu_mul(gate_up)                          [T, 2I] -> [T, I]: silu(gate_up[:, :I]) * gate_up[:, I:]
+//
+// x / h / w are float32 (the model's residual stream and norm weights), delta / gate_up and the outputs are
+// bfloat16 or float32. All math is float32; bf16 results are rounded to nearest even exactly as torch's
+// conversion rounds (NaN -> quiet NaN), so they match the torch path to within one bf16 rounding of the fp32
+// intermediate. Rows are spread over torch's intra-op pool only when a call has enough of them to pay for the
+// fork (a decode step's 16-64 rows run on the calling thread).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kParallelElems = 1 << 16;  // elements per task below which a call stays on one thread
+
+inline float to_f(float x) { return x; }
+inline float to_f(c10::BFloat16 x) { return static_cast<float>(x); }
+template <typename T>
+inline T from_f(float x) { return static_cast<T>(x); }
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const c10::BFloat16* x) {  // bf16 -> fp32 is a 16-bit left shift
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
+}
+inline void store16(float* x, __m512 v) { _mm512_storeu_ps(x, v); }
+// round to nearest even like c10::BFloat16(float): bits + 0x7FFF + lsb, top half; NaN -> 0x7FC0
+inline void store16(c10::BFloat16* x, __m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), _mm512_cvtepi32_epi16(r));
+}
+
+// e^x, |relative error| < 2e-7 for x in [-87, 88]; clamped to that range outside
+inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 split in two for precision
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.0f / 720);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 120));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 24));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 6));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
+}
+#endif
+
+// out[0, n) = x * inv * w
+template <typename O>
+void scale_row(const float* x, const float* w, float inv, int64_t n, O* out) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 iv = _mm512_set1_ps(inv);
+  for (; i + 16 <= n; i += 16) store16(out + i, _mm512_mul_ps(_mm512_mul_ps(load16(x + i), iv), load16(w + i)));
+#endif
+  for (; i < n; ++i) out[i] = from_f<O>(x[i] * inv * w[i]);
+}
+
+inline float sum_squares(const float* x, int64_t n) {
+  int64_t i = 0;
+  float s = 0.f;
+#if defined(__AVX512F__)
+  __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+  for (; i + 32 <= n; i += 32) {
+    const __m512 u = load16(x + i), v = load16(x + i + 16);
+    a = _mm512_fmadd_ps(u, u, a);
+    b = _mm512_fmadd_ps(v, v, b);
+  }
+  for (; i + 16 <= n; i += 16) { const __m512 u = load16(x + i); a = _mm512_fmadd_ps(u, u, a); }
+  s = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+#endif
+  for (; i < n; ++i) s += x[i] * x[i];
+  return s;
+}
+
+// h[0, n) += d, in place
+template <typename D>
+void add_row(float* h, const D* d, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) store16(h + i, _mm512_add_ps(load16(h + i), load16(d + i)));
+#endif
+  for (; i < n; ++i) h[i] += to_f(d[i]);
+}
+
+template <typename O>
+void silu_mul_row(const O* g, const O* u, int64_t n, O* out) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = load16(g + i);
+    // x / (1 + e^-x) with the reciprocal from rcp14 and one Newton step (relative error ~2^-28; a divide
+    // would cost more than the rest of the loop). Below x = -87 silu(x) < 1e-35: -0, as torch's e^-x overflows
+    const __m512 d = _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), x)));
+    __m512 r = _mm512_rcp14_ps(d);
+    r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
+    __m512 s = _mm512_mul_ps(x, r);
+    s = _mm512_mask_mul_ps(s, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), x, _mm512_setzero_ps());
+    store16(out + i, _mm512_mul_ps(s, load16(u + i)));
+  }
+#endif
+  for (; i < n; ++i) {
+    const float x = to_f(g[i]);
+    out[i] = from_f<O>(x / (1.0f + std::exp(-x)) * to_f(u[i]));
+  }
+}
+
+int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, kParallelElems / std::max<int64_t>(cols, 1)); }
+
+void check_norm_args(const char* op, const at::Tensor& x, const at::Tensor& w, at::ScalarType dtype) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, op,
+              ": x must be a float32 [T, H] tensor with contiguous rows");
+  TORCH_CHECK(w.dim() == 1 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(0) == x.size(1), op,
+              ": weight must be a contiguous float32 [H]");
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, op, ": dtype must be bfloat16 or float32");
+}
+
+template <typename O>
+inline void norm_row(const float* x, const float* w, float eps, int64_t H, O* out) {
+  scale_row(x, w, 1.0f / std::sqrt(sum_squares(x, H) / static_cast<float>(H) + eps), H, out);
+}
+
+template <typename O>
+void norm_rows(const float* x, int64_t ldx, const float* w, float eps, int64_t T, int64_t H, O* out) {
+  at::parallel_for(0, T, grain_rows(H), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) norm_row(x + r * ldx, w, eps, H, out + r * H);
+  });
+}
+
+// h += delta, then out = rms_norm(h), row by row (the row is still in L1 for the norm)
+template <typename O, typename D>
+void add_norm_rows(float* h, int64_t ldh, const D* delta, int64_t ldd, const float* w, float eps, int64_t T,
+                   int64_t H, O* out) {
+  at::parallel_for(0, T, grain_rows(H), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      add_row(h + r * ldh, delta + r * ldd, H);
+      norm_row(h + r * ldh, w, eps, H, out + r * H);
+    }
+  });
+}
+
+at::Tensor rms_norm_cast(const at::Tensor& x, const at::Tensor& w, double eps, at::ScalarType dtype) {
+  check_norm_args("rms_norm_cast", x, w, dtype);
+  const int64_t T = x.size(0), H = x.size(1);
+  at::Tensor out = at::empty({T, H}, x.options().dtype(dtype));
+  const float* xp = x.const_data_ptr<float>();
+  const float* wp = w.const_data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  if (dtype == at::kBFloat16) norm_rows(xp, x.stride(0), wp, e, T, H, out.mutable_data_ptr<c10::BFloat16>());
+  else norm_rows(xp, x.stride(0), wp, e, T, H, out.mutable_data_ptr<float>());
+  return out;
+}
+
+template <typename D>
+void add_norm_dispatch(at::Tensor& out, at::Tensor& h, const D* delta, int64_t ldd, const float* w, float eps) {
+  float* hp = h.mutable_data_ptr<float>();
+  const int64_t T = h.size(0), H = h.size(1);
+  if (out.scalar_type() == at::kBFloat16)
+    add_norm_rows(hp, h.stride(0), delta, ldd, w, eps, T, H, out.mutable_data_ptr<c10::BFloat16>());
+  else
+    add_norm_rows(hp, h.stride(0), delta, ldd, w, eps, T, H, out.mutable_data_ptr<float>());
+}
+
+at::Tensor add_rms_norm_cast(at::Tensor& h, const at::Tensor& delta, const at::Tensor& w, double eps,
+                             at::ScalarType dtype) {
+  check_norm_args("add_rms_norm_cast", h, w, dtype);
+  TORCH_CHECK(delta.device().is_cpu() && delta.dim() == 2 && delta.size(0) == h.size(0) &&
+                  delta.size(1) == h.size(1) && delta.stride(1) == 1,
+              "add_rms_norm_cast: delta must be a [T, H] CPU tensor with contiguous rows, like h");
+  at::Tensor out = at::empty({h.size(0), h.size(1)}, h.options().dtype(dtype));
+  const float* wp = w.const_data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  if (delta.scalar_type() == at::kBFloat16)
+    add_norm_dispatch(out, h, delta.const_data_ptr<c10::BFloat16>(), delta.stride(0), wp, e);
+  else if (delta.scalar_type() == at::kFloat)
+    add_norm_dispatch(out, h, delta.const_data_ptr<float>(), delta.stride(0), wp, e);
+  else
+    TORCH_CHECK(false, "add_rms_norm_cast: delta must be bfloat16 or float32");
+  return out;
+}
+
+template <typename O>
+void silu_mul_rows(const O* gu, int64_t ld, int64_t T, int64_t I, O* out) {
+  at::parallel_for(0, T, grain_rows(I), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) silu_mul_row(gu + r * ld, gu + r * ld + I, I, out + r * I);
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "silu_mul: gate_up must be a [T, 2I] CPU tensor with contiguous rows");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({T, I}, gate_up.options());
+  if (gate_up.scalar_type() == at::kBFloat16)
+    silu_mul_rows(gate_up.const_data_ptr<c10::BFloat16>(), gate_up.stride(0), T, I,
+                  out.mutable_data_ptr<c10::BFloat16>());
+  else if (gate_up.scalar_type() == at::kFloat)
+    silu_mul_rows(gate_up.const_data_ptr<float>(), gate_up.stride(0), T, I, out.mutable_data_ptr<float>());
+  else
+    TORCH_CHECK(false, "silu_mul: bfloat16 or float32 only");
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(parrot_kernels, m) {
+  m.def("rms_norm_cast(Tensor x, Tensor weight, float eps, ScalarType dtype) -> Tensor");
+  m.def("add_rms_norm_cast(Tensor(a!) h, Tensor delta, Tensor weight, float eps, ScalarType dtype) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(parrot_kernels, CPU, m) {
+  m.impl("rms_norm_cast", rms_norm_cast);
+  m.impl("add_rms_norm_cast", add_rms_norm_cast);
+  m.impl("silu_mul", silu_mul);
+}

@@ -1,0 +1,155 @@
+"""The native fused elementwise ops (parrot/engine/kernels/fused.cpp) against the torch ops they replace, and a
+bf16 model that uses them against the same model on the pure-torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from parrot.engine.config import ModelConfig
+from parrot.engine.models.llama import build_random_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def ops():
+    import shutil
+
+    from parrot.engine.kernels import load_kernels
+
+    if not (shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("no C++ compiler: the model runs the pure-torch ops here")
+    return load_kernels(build_if_missing=True)
+
+
+def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 units in the last place (same-sign values; both bf16)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+# (rows, hidden): one decode row, a decode batch, a width with a scalar tail, a prefill-sized call (parallel rows)
+SHAPES = [(1, 576), (64, 576), (5, 37), (700, 576)]
+
+
+@pytest.mark.parametrize("rows,hidden", SHAPES)
+def test_rms_norm_cast_matches_torch(ops, rows, hidden):
+    torch.manual_seed(rows)
+    h = torch.randn(rows, hidden) * 3
+    w = torch.rand(hidden) + 0.5
+    ref = F.rms_norm(h, (hidden,), w, 1e-5)
+    got = ops.rms_norm_cast(h, w, 1e-5, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == h.shape
+    # the fp32 results differ only in summation order, so the bf16 ones agree up to a rare rounding-boundary flip
+    assert bf16_ulps(got, ref.bfloat16()).max() <= 1
+    assert (got != ref.bfloat16()).float().mean() < 1e-3
+    got32 = ops.rms_norm_cast(h, w, 1e-5, torch.float32)
+    assert torch.allclose(got32, ref, rtol=1e-5, atol=1e-6)
+    # a row view of a wider buffer reads the same rows
+    wide = torch.zeros(rows, hidden + 8)
+    wide[:, :hidden] = h
+    assert torch.equal(ops.rms_norm_cast(wide[:, :hidden], w, 1e-5, torch.bfloat16), got)
+
+
+@pytest.mark.parametrize("rows,hidden", SHAPES)
+@pytest.mark.parametrize("delta_dtype", [torch.bfloat16, torch.float32])
+def test_add_rms_norm_cast_updates_h_and_norms(ops, rows, hidden, delta_dtype):
+    torch.manual_seed(rows + 1)
+    h = torch.randn(rows, hidden) * 3
+    w = torch.rand(hidden) + 0.5
+    delta = torch.randn(rows, hidden).to(delta_dtype)
+    expect_h = h + delta.float()
+    ref = F.rms_norm(expect_h, (hidden,), w, 1e-5).bfloat16()
+    got = ops.add_rms_norm_cast(h, delta, w, 1e-5, torch.bfloat16)
+    assert torch.equal(h, expect_h)  # the residual add is exact fp32, in place
+    assert bf16_ulps(got, ref).max() <= 1
+    assert (got != ref).float().mean() < 1e-3
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (64, 1536), (3, 21), (700, 256)])
+def test_silu_mul_matches_fp32_math(ops, rows, inter):
+    torch.manual_seed(inter)
+    gate_up = (torch.randn(rows, 2 * inter) * 4).bfloat16()
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # saturated exp both ways, zeros
+    exact = F.silu(gate_up[:, :inter].double()) * gate_up[:, inter:].double()
+    got = ops.silu_mul(gate_up)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, inter)
+    # one rounding of the fp32 result: within half a bf16 ulp of the exact value, up to fp32 noise
+    assert torch.allclose(got.double(), exact, rtol=2 ** -8, atol=1e-30)
+    # torch's own bf16 path rounds twice (silu, then the product); it is at most one ulp away
+    assert bf16_ulps(got, F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])).max() <= 1
+    got32 = ops.silu_mul(gate_up.float())
+    assert torch.allclose(got32.double(), exact, rtol=1e-6, atol=1e-30)
+
+
+def test_rejects_bad_inputs(ops):
+    h = torch.randn(4, 64)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.rms_norm_cast(h.bfloat16(), torch.ones(64), 1e-5, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="weight"):
+        ops.rms_norm_cast(h, torch.ones(63), 1e-5, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="delta"):
+        ops.add_rms_norm_cast(h, torch.randn(4, 32).bfloat16(), torch.ones(64), 1e-5, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="2I"):
+        ops.silu_mul(torch.randn(4, 7).bfloat16())
+
+
+SMALL = ModelConfig(
+    name="small-llama", arch="llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=3,
+    num_heads=6, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+    max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,),
+)
+
+
+def dense_attention(scale: float):
+    """A stand-in AttentionBackend: causal attention over one sequence (no KV cache)."""
+
+    def attn(layer_idx, q, k, v):
+        out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                             v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale,
+                                             enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1).reshape(q.shape[0], -1)
+
+    return attn
+
+
+def test_bf16_model_fused_path_matches_torch_path(ops):
+    """The same bf16 model with and without the fused ops: the final hidden states agree to bf16 rounding noise
+    (the paths differ only in where intermediate bf16 values are rounded); float32 models keep the torch path."""
+    model = build_random_model(SMALL, dtype=torch.bfloat16, seed=3)
+    ids = torch.randint(3, SMALL.vocab_size, (40,))
+    pos = torch.arange(40)
+    attn = dense_attention(SMALL.head_dim ** -0.5)
+    ref = model(ids, pos, attn).float()
+    counting = CountingOps(ops)
+    assert model.use_fused_ops(counting)
+    try:
+        got = model(ids, pos, attn).float()
+    finally:
+        model.use_fused_ops(None)
+    assert model.fused_ops is None
+    # one norm up front, then per layer two add+norms and one SwiGLU
+    assert counting.calls == {"rms_norm_cast": 1, "add_rms_norm_cast": 2 * SMALL.num_layers,
+                              "silu_mul": SMALL.num_layers}
+    rel = (got - ref).norm() / ref.norm()
+    assert rel < 2e-2, rel
+    assert torch.equal(model(ids, pos, attn).float(), ref)  # back on the torch path
+    assert not build_random_model(SMALL, dtype=torch.float32, seed=3).use_fused_ops(ops)
+
+
+class CountingOps:
+    """Forwards to the real ops and counts the calls per op name."""
+
+    def __init__(self, ops) -> None:
+        self.ops = ops
+        self.calls: dict[str, int] = {}
+
+    def __getattr__(self, name: str):
+        fn = getattr(self.ops, name)
+
+        def call(*args):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return fn(*args)
+
+        return call
