@@ -33,6 +33,7 @@ from parrot.common.errors import (
     UnknownContext,
 )
 from parrot.common.sampling import FinishReason, SamplingParams
+from parrot.common.step_cost import StepStats
 from parrot.engine.context import Context, Op, OpKind, OpStatus
 from parrot.engine.interface import EngineStatus, FillResult, GenerateResult
 from parrot.engine.kv_cache.block_pool import BlockPool, chain_hashes
@@ -94,6 +95,10 @@ class EngineCore(abc.ABC):
         self._pins: dict[int, list[int]] = {}  # last chain hash of a pinned prefix -> its pinned blocks
         self.num_steps = 0
         self.num_tokens_computed = 0
+        # iteration time vs batch (reported in status for the global scheduler's cost-aware placement): each
+        # plan's batch counts and start time, recorded when the plan is applied
+        self.step_stats = StepStats()
+        self._plan_started: tuple[float, int, int, int] | None = None
         self._cached_status = cached_status
         self._status = self.snapshot()
 
@@ -318,12 +323,21 @@ class EngineCore(abc.ABC):
                 self.scheduler.remove(e.op)
                 self._complete(e.op, ContextLengthExceeded(str(e), param="kv_cache"))
                 continue
-            return plan if plan.chunks else None
+            if not plan.chunks:
+                return None
+            rows, ctx_tokens, prefill = plan_counts(plan)
+            # an iteration that only samples stored hidden states runs no forward pass: not a step to learn from
+            self._plan_started = (self.clock(), rows, ctx_tokens, prefill) if ctx_tokens or prefill else None
+            return plan
 
     def apply(self, out: StepOutput) -> None:
         """Account an executed plan: computed tokens (registering newly full blocks in the prefix cache), stored
         hidden states, finished fills, sampled tokens."""
         self.num_steps += 1
+        if self._plan_started is not None:
+            t0, rows, ctx_tokens, prefill = self._plan_started
+            self._plan_started = None
+            self.step_stats.add(rows, ctx_tokens, prefill, self.clock() - t0)
         bs = self.pool.block_size
         for ctx, n in out.computed:
             ctx.num_computed += n
@@ -421,8 +435,24 @@ class EngineCore(abc.ABC):
                    "prefix_cache_hit_blocks": self.pool.num_hit_blocks,
                    "shared_prefix_decode_rows": self.runner.num_shared_prefix_rows,
                    "pinned_blocks": self.pool.num_pinned, "kv_blocks_evicted": self.pool.num_evicted,
-                   "token_cap": sch.token_cap},
+                   "token_cap": sch.token_cap, "step_stats": self.step_stats.to_wire()},
         )
+
+
+def plan_counts(plan: BatchPlan) -> tuple[int, int, int]:
+    """(decode rows, context tokens those rows read, prefill tokens) of a plan: the features of
+    :class:`~parrot.common.step_cost.StepStats`. A decode row computes the last token of its context and samples
+    after it; a chunk of no tokens only samples from a stored hidden state (a row without a forward of its own)."""
+    rows = ctx_tokens = prefill = 0
+    for ch in plan.chunks:
+        if ch.num_tokens == 0:
+            rows += ch.sample
+        elif ch.num_tokens == 1 and ch.sample and ch.start == len(ch.op.ctx.tokens) - 1:
+            rows += 1
+            ctx_tokens += ch.start + 1
+        else:
+            prefill += ch.num_tokens
+    return rows, ctx_tokens, prefill
 
 
 def _settle(fut: ResultFuture, value: object) -> None:

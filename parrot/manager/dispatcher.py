@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from parrot.common.errors import EngineError, ParrotError
+from parrot.common.step_cost import StepCost, StepStats
 from parrot.engine.interface import EngineClient, ModelInfo
 from parrot.manager.engine_registry import EngineEntry, EngineRegistry, EngineState
 from parrot.manager.perf_deduction import SchedInfo
@@ -69,6 +70,7 @@ class Lease:
         self.request = request
         self.tokens = request.tokens
         self.enqueued_at = enqueued_at
+        self.placed_at = dispatcher._clock()
         self.engine = entry.name
         self.client: EngineClient = entry.client
         assert entry.info is not None  # candidates always have model info
@@ -135,6 +137,8 @@ class Dispatcher:
         self._caps_sent: dict[str, int | None] = {}
         self._cap_tasks: dict[str, asyncio.Task] = {}
         self._no_caps: set[str] = set()  # engines that answered "caps unsupported"
+        # the last step-cost fit and the statuses it came from (see _step_costs)
+        self._costs_cache: tuple[tuple, dict[str, StepCost]] | None = None
         registry.add_listener(self._on_engine_state)
 
     # ---- the request side -----------------------------------------------------------------------------------
@@ -255,21 +259,48 @@ class Dispatcher:
                 if info.task_group is not None:
                     key = (lease.request.session_id, info.task_group)
                     group_tokens[key] = group_tokens.get(key, 0) + lease.tokens
+        costs = self._step_costs(entries)
         engines = {}
         for e in entries:
+            assert e.info is not None
             placed = []
             for lease, info in held[e.name]:
                 key = (lease.request.session_id, info.task_group) if info.task_group is not None else None
                 demand = self.policy.demand(lease.request, info, group_tokens.get(key, lease.tokens)
-                                            if key is not None else lease.tokens)
+                                            if key is not None else lease.tokens, costs.get(e.info.name))
                 placed.append(PlacedRequest(lease.request.request_id, lease.request.session_id, lease.tokens,
                                             demand, info.task_group, lease.request.prefix_hashes,
-                                            lease.request.prompt_tokens))
+                                            lease.request.prompt_tokens, lease.placed_at))
             s = e.status
             capacity = s.kv_blocks_total * s.block_size if s is not None and s.kv_blocks_total > 0 else None
-            assert e.info is not None
-            engines[e.name] = EngineView(e.name, e.info.name, e.info.max_model_len, s, capacity, tuple(placed))
-        return ClusterView(engines, prefix_tokens=self.prefix_lookup, group_tokens=group_tokens)
+            engines[e.name] = EngineView(e.name, e.info.name, e.info.max_model_len, s, capacity, tuple(placed),
+                                         step_cost=costs.get(e.info.name))
+        return ClusterView(engines, prefix_tokens=self.prefix_lookup, group_tokens=group_tokens, now=self._clock())
+
+    def _step_costs(self, entries: Sequence[EngineEntry]) -> dict[str, StepCost]:
+        """Per model, the iteration-time fit of the step statistics its engines last reported, pooled (engines of
+        one model are assumed alike; a model none of whose engines reported enough steps is left out). Refitted
+        only when a status changed (a heartbeat), not every round."""
+        key = tuple((e.name, e.status) for e in entries)
+        if self._costs_cache is not None and len(key) == len(self._costs_cache[0]) \
+                and all(a[0] == b[0] and a[1] is b[1] for a, b in zip(key, self._costs_cache[0])):
+            return self._costs_cache[1]
+        by_model: dict[str, list[StepStats]] = {}
+        for e in entries:
+            raw = e.status.extra.get("step_stats") if e.status is not None else None
+            if raw is None or e.info is None:
+                continue
+            try:
+                by_model.setdefault(e.info.name, []).append(StepStats.from_wire(raw))
+            except ValueError as err:
+                logger.debug("engine %s: ignoring its step statistics (%s)", e.name, err)
+        out = {}
+        for model, stats in by_model.items():
+            fit = StepStats.pooled(stats).fit()
+            if fit is not None:
+                out[model] = fit
+        self._costs_cache = (key, out)
+        return out
 
     # ---- capacity hints -------------------------------------------------------------------------------------
     def _update_caps(self) -> None:

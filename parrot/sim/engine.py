@@ -38,8 +38,10 @@ class SimEngine(EngineCore):
     def __init__(self, name: str, cost: CostModel, *, model_name: str = "sim-llm", seed: int = 0,
                  output_lengths: OutputLengths = OutputLengths(), vocab_size: int = 32000,
                  enable_prefix_cache: bool = True, shared_prefix_attention: bool = True,
-                 clock: Callable[[], float] | None = None) -> None:
-        """Create inside the running (virtual) loop; ``clock`` defaults to that loop's time."""
+                 clock: Callable[[], float] | None = None, profiled: bool = True) -> None:
+        """Create inside the running (virtual) loop; ``clock`` defaults to that loop's time. ``profiled``: the
+        engine's step-time statistics start from its cost model's profile grid (:func:`seed_step_stats`), as a
+        real engine warmed up over several batch shapes; otherwise they start empty and learn from its steps."""
         self._loop = asyncio.get_running_loop()
         pool = BlockPool(-(-cost.kv_cache_tokens // cost.block_size), cost.block_size,
                          enable_prefix_cache=enable_prefix_cache)
@@ -51,6 +53,8 @@ class SimEngine(EngineCore):
                          clock=clock or self._loop.time, cached_status=False)
         self.runner: SimRunner = runner
         self.cost = cost
+        if profiled:
+            seed_step_stats(self, cost)
         self.busy_s = 0.0  # virtual seconds spent in iterations
         self._in_step = False  # between a plan and its apply: commands wait in _deferred
         self._deferred: list[Command] = []
@@ -105,3 +109,18 @@ class SimEngine(EngineCore):
             deferred, self._deferred = self._deferred, []
             for cmd in deferred:
                 cmd()
+
+
+# the shapes ``parrot profile`` measures (parrot.sim.profile.ProfilePlan): prefills after 0 / 768 tokens of
+# context, decodes at batch 1 / 4 / 12 over 64- and 512-token contexts
+_PROFILE_PREFILLS = ((32, 0), (128, 0), (512, 0), (32, 768), (128, 768), (512, 768))
+_PROFILE_DECODES = ((1, 64), (4, 64), (12, 64), (1, 512), (4, 512), (12, 512))
+
+
+def seed_step_stats(engine: SimEngine, cost: CostModel) -> None:
+    """Record the profile grid's iterations, timed by the cost model, in ``engine.step_stats``."""
+    for n, ctx in _PROFILE_PREFILLS:
+        n = min(n, cost.max_batch_tokens)
+        engine.step_stats.add(0, 0, n, cost.prefill_s(n, ctx))
+    for batch, ctx in _PROFILE_DECODES:
+        engine.step_stats.add(batch, batch * ctx, 0, cost.decode_s(batch, batch * ctx))

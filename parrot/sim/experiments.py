@@ -1,7 +1,7 @@
 """Paper-scale reproductions on the simulator (real manager + simulated A100/A6000 engines), and its speed and
 validation runs.
 
-    python -m parrot.sim.experiments [map_reduce|multi_chain|gpts|mixed|speed|validate|all] [--quick]
+    python -m parrot.sim.experiments [map_reduce|multi_chain|gpts|mixed|mixed_cpu|speed|validate|all] [--quick]
     python -m parrot.sim.experiments validate --real bench_out/app_bench-*.json
 
 Every run is a fresh cluster on a fresh virtual loop, seeded; the printed ratio is ``baseline / parrot`` (above 1:
@@ -16,6 +16,7 @@ import asyncio
 import glob
 import json
 import logging
+import math
 import random
 import statistics
 import sys
@@ -221,6 +222,64 @@ def mixed(quick: bool = False, seed: int = 0) -> str:
               "/ 1.05x")
 
 
+# ---- the real mixed scenario of parrot.bench.cluster_bench, on this machine's 1-thread engines ------------------
+def mixed_cpu(quick: bool = False, seed: int = 0, cost_model: str = "this-machine-1t") -> str:
+    """cluster_bench's ``mixed`` scenario (same sizes, prompts, rates and drivers) on 2 simulated 1-thread CPU
+    engines, at the bench's latency cap and two larger ones (the same cap for every policy)."""
+    from parrot.bench.cluster_bench import QUICK, Workload, _chunks
+
+    w = QUICK if quick else Workload()
+    words = load_document(W.DEFAULT_DOCUMENT).split()
+    caps = (w.latency_cap,) if quick else (w.latency_cap, 1024, 2048)
+    rows = []
+    for cap in caps:
+        results = {}
+        for policy in ("parrot", "fifo-latency", "fifo-throughput"):
+            cfg = ClusterConfig(engines=w.mixed_engines, cost_model=cost_model, policy=policy, latency_cap_tokens=cap,
+                                throughput_cap_tokens=w.throughput_cap, seed=seed)
+            run_id = f"{seed}-mixed"
+            apps = [APPS["map_reduce"](_chunks(w, w.mixed_chunks, 10 + k), w.output_len, tag=f"[{run_id} mr {k}] ")
+                    for k in range(w.mixed_apps)]
+
+            async def body(c: SimCluster, policy=policy, apps=apps):
+                loop = asyncio.get_running_loop()
+                mode = "parrot" if policy == "parrot" else "baseline"
+                rng = random.Random(seed)
+                t0 = loop.time()
+                mr = asyncio.ensure_future(asyncio.gather(*(c.run_app(a, mode, criteria="throughput")
+                                                            for a in apps)))
+
+                async def chat(prompt: str, n: int) -> tuple[float, float]:
+                    start = loop.time()
+                    r = await c.complete(prompt, n, rtt=False)  # cluster_bench's chat client: no round trip
+                    return start, r.latency_s / n
+
+                chats, i = [], 0
+                while i < w.chat_min or not mr.done():
+                    await asyncio.sleep(max(0.0, t0 + i / w.chat_rate - loop.time()))
+                    start = rng.randrange(0, len(words) - w.chat_words)
+                    prompt = f"[chat {seed}-{i}] User: {' '.join(words[start:start + w.chat_words])}\nAssistant:"
+                    chats.append(asyncio.ensure_future(chat(prompt, rng.randint(*w.chat_out))))
+                    i += 1
+                mr_times = await mr
+                mr_end = t0 + max(mr_times)
+                done = await asyncio.gather(*chats)
+                during = [s for start, s in done if start < mr_end] or [math.nan]
+                return (statistics.mean(s for _, s in done), statistics.mean(during), statistics.mean(mr_times),
+                        len(done))
+
+            results[policy] = _run(cfg, body)
+        p = results["parrot"]
+        for policy, r in results.items():
+            rows.append([cap, policy, r[0], p[0] and r[0] / p[0], r[1], r[2], r[2] / p[2], r[3]])
+    return format_table(["latency cap", "policy", "chat s/token", "ratio", "chat s/token during map-reduce",
+                         "map-reduce s", "ratio", "chats"], rows,
+                        title=f"[cluster_bench mixed] {w.mixed_engines} engines, {cost_model} (sim); chat at "
+                              f"{w.chat_rate} req/s ({w.chat_words} words, out {w.chat_out}) + {w.mixed_apps} "
+                              f"map-reduce apps ({w.mixed_chunks} x {w.chunk_words} words, out {w.output_len}, "
+                              f"THROUGHPUT); throughput cap {w.throughput_cap}; ratio = policy / parrot")
+
+
 # ---- speed ----------------------------------------------------------------------------------------------------------
 def speed(quick: bool = False, seed: int = 0, n_requests: int | None = None, engines: int = 8,
           policy: str = "least-loaded") -> str:
@@ -294,7 +353,8 @@ def validate(real: list[str], cost_model: str = "this-machine", policy: str = "l
             + f"\n  {within}/{len(rows)} within 25%")
 
 
-EXPERIMENTS = {"map_reduce": map_reduce, "multi_chain": multi_chain, "gpts": gpts, "mixed": mixed, "speed": speed}
+EXPERIMENTS = {"map_reduce": map_reduce, "multi_chain": multi_chain, "gpts": gpts, "mixed": mixed,
+               "mixed_cpu": mixed_cpu, "speed": speed}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,14 @@ the same kind of work (no capacity reduction: "scheduled to an engine that has a
 latency-sensitive request, the capacity reduction is negligible"), an idle one, then the longest held prefix,
 then the fewest tokens.
 
+When the engines' step cost is known (their step-time statistics, :mod:`parrot.manager.policies.cost_aware`),
+throughput work is placed in seconds before Algorithm 1 is asked: a throughput task group (or a lone throughput
+request without queued prefix sharers) is split over engines when that finishes it ``SPLIT_GAIN`` sooner than
+FindEngine's single engine (never onto another idle engine), and may use a latency engine's spare time within
+its latency budget when that gains more than it costs the latency work there; a TPOT target becomes a cap
+through the measured cost. With batching nearly free (GPU cost models) the split rarely pays and the decisions
+are Algorithm 1's; without a cost they are exactly Algorithm 1's.
+
 Caps (:meth:`AppCentricPolicy.demand`): latency-sensitive work and work of unknown objective caps its engine at
 ``latency_cap_tokens`` (tighter with a TPOT target); a task group at its own total (so it runs as one large
 batch, but nothing unrelated piles on); throughput work at ``throughput_cap_tokens`` (and the engine's KV).
@@ -45,6 +53,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 
+from parrot.common.step_cost import StepCost
 from parrot.manager.perf import PerfCriteria
 from parrot.manager.perf_deduction import SchedInfo
 from parrot.manager.policies.base import (
@@ -58,6 +67,7 @@ from parrot.manager.policies.base import (
     QueuedRequest,
     WorkKind,
 )
+from parrot.manager.policies.cost_aware import SPLIT_GAIN, CostLedger, cap_for_tpot
 
 
 class AppCentricPolicy(Policy):
@@ -66,14 +76,17 @@ class AppCentricPolicy(Policy):
     def __init__(self, caps: CapacityConfig | None = None) -> None:
         self.caps = caps or CapacityConfig()
 
-    def demand(self, request: DispatchRequest, info: SchedInfo, group_tokens: int) -> Demand:
+    def demand(self, request: DispatchRequest, info: SchedInfo, group_tokens: int,
+               cost: StepCost | None = None) -> Demand:
         label = info.label
         if label is not None and label.criteria is PerfCriteria.THROUGHPUT:
             return Demand(self.caps.throughput_cap_tokens, WorkKind.THROUGHPUT)
         cap = self.caps.latency_cap_tokens
         firm = label is not None and label.targets.tpot_s is not None  # a per-token promise (module docstring)
         if label is not None and label.targets.tpot_s is not None:
-            cap = min(cap, self.caps.cap_for_tpot(label.targets.tpot_s))
+            # the engines' measured step cost if known (cost_aware, rule b), else the configured TPOT profile
+            cap = min(cap, self.caps.cap_for_tpot(label.targets.tpot_s) if cost is None else cap_for_tpot(
+                cost, label.targets.tpot_s, request.tokens, min_cap=self.caps.min_cap_tokens, max_cap=cap))
         if label is not None and label.task_group is not None:
             cap = max(cap, min(group_tokens, self.caps.throughput_cap_tokens))
         return Demand(cap, WorkKind.LATENCY, firm)
@@ -95,10 +108,13 @@ class AppCentricPolicy(Policy):
                     hosts.setdefault((p.session_id, p.task_group), set()).add(e.name)
         left = {q.ticket: q for q in order}
         out: list[Placement] = []
+        ledger = CostLedger(cluster, occ)
 
         def assign(members: list[QueuedRequest], engine: str) -> None:
             for m in members:
-                occ.add(engine, m.request, self._demand(m, cluster))
+                demand = self._demand(m, cluster)
+                ledger.add(engine, m.request, demand, occ.extra_tokens(engine, [m.request]))
+                occ.add(engine, m.request, demand)
                 out.append(Placement(m.ticket, engine))
                 del left[m.ticket]
                 if m.group_key is not None:
@@ -109,11 +125,22 @@ class AppCentricPolicy(Policy):
                 continue
             if q.group_key is not None:  # Algorithm 1, lines 4-5
                 members = [m for m in left.values() if m.group_key == q.group_key]
+                split = self.split_throughput(members, occ, ledger, cluster, prefer=hosts.get(q.group_key, ()))
+                if split is not None:
+                    for engine, part in split.items():
+                        assign(part, engine)
+                    continue
                 engine = self.find_engine(members, occ, cluster, prefer=hosts.get(q.group_key, ()))
                 if engine is not None:
                     assign(members, engine)
                     continue
             sharers = [m for m in left.values() if m is not q and _share_prefix(q, m)]
+            if not sharers and q.group_key is None:  # a lone throughput request: where it finishes first
+                split = self.split_throughput([q], occ, ledger, cluster)
+                if split is not None:
+                    for engine, part in split.items():
+                        assign(part, engine)
+                    continue
             if sharers:  # lines 6-7
                 engine = self.find_engine([q, *sharers], occ, cluster)
                 if engine is not None:
@@ -148,6 +175,7 @@ class AppCentricPolicy(Policy):
         if only is not None:
             names &= set(only)
         extra = {e: occ.extra_tokens(e, requests) for e in names}
+
         room = [e for e in names if occ.fits(e, extra[e], cap, members=len(members))
                 and (mix_kinds or kind is WorkKind.THROUGHPUT or WorkKind.THROUGHPUT not in occ.kinds[e])]
         if not room:
@@ -158,6 +186,66 @@ class AppCentricPolicy(Policy):
             return (e not in prefer, occ.similarity(e, kind), -prefix, occ.tokens[e], e)
 
         return min(room, key=score)
+
+    def split_throughput(self, members: Sequence[QueuedRequest], occ: Occupancy, ledger: CostLedger,
+                         cluster: ClusterView, *,
+                         prefer: Collection[str] = ()) -> dict[str, list[QueuedRequest]] | None:
+        """Throughput work ``members`` assigned member by member to the engine where each finishes first
+        (cost_aware, rule a), or None to leave the decision to Algorithm 1's FindEngine: not throughput work, a
+        step cost unknown on a candidate, or a split that does not finish ``SPLIT_GAIN`` sooner than the whole
+        set on the engine FindEngine picks (or that leaves a member unplaced while FindEngine has room).
+
+        The split uses FindEngine's engine and engines already running work: it never takes *another* idle
+        engine, which Algorithm 1 keeps free for the other kind of work (taking idle engines for the map stages
+        made chats wait in the GPU mixed experiment). Engines running latency work take members only within
+        their token cap (room kept for latency work) and their latency budget, and a member goes there only if
+        it finishes sooner by more than the latency it adds to the latency requests there (rule c,
+        :meth:`CostLedger.latency_harm_s`)."""
+        demands = [self._demand(m, cluster) for m in members]
+        if any(d.kind is not WorkKind.THROUGHPUT for d in demands):
+            return None
+        names = set(members[0].candidates).intersection(*(m.candidates for m in members[1:]))
+        if not names or any(ledger.cost(e) is None for e in names):
+            return None
+        whole = self.find_engine(members, occ, cluster, prefer=prefer)
+        if whole is not None:
+            names = {e for e in names if e == whole or occ.count[e] > 0}
+        trial_occ = occ.copy()
+        trial = ledger.copy(trial_occ)
+        new_tokens: dict[str, int] = {}
+        parts: dict[str, list[QueuedRequest]] = {}
+        for m, d in sorted(zip(members, demands), key=lambda md: (-md[0].tokens, md[0].ticket)):
+            best: tuple | None = None
+            for e in names:
+                extra = trial_occ.extra_tokens(e, [m.request])
+                if not trial_occ.fits(e, extra, d.cap) or \
+                        (trial.latency[e].rows and not trial.admits(e, [m.request], [d], extra)):
+                    continue
+                finish = trial.finish_s(e, max(new_tokens.get(e, 0), m.request.max_new_tokens), 1, extra,
+                                        max(0, extra - m.request.max_new_tokens))
+                # next to latency work, the seconds it adds to the latency requests count against it
+                key = (finish + trial.latency_harm_s(e, m.request, extra), e not in prefer, e)
+                if best is None or key < best[0]:
+                    best = (key, e, extra)
+            if best is None:
+                continue
+            _, e, extra = best
+            trial.add(e, m.request, d, extra)
+            trial_occ.add(e, m.request, d)
+            new_tokens[e] = max(new_tokens.get(e, 0), m.request.max_new_tokens)
+            parts.setdefault(e, []).append(m)
+        if not parts:
+            return None
+        if whole is None:
+            return parts
+        if sum(map(len, parts.values())) < len(members) or set(parts) == {whole}:
+            return None
+        split_s = max(trial.finish_s(e, new_tokens[e]) for e in parts)
+        requests = [m.request for m in members]
+        extra = occ.extra_tokens(whole, requests)
+        whole_s = ledger.finish_s(whole, max(r.max_new_tokens for r in requests), len(members), extra,
+                                  max(0, extra - sum(r.max_new_tokens for r in requests)))
+        return parts if split_s < (1 - SPLIT_GAIN) * whole_s else None
 
     def share_latency_engine(self, q: QueuedRequest, occ: Occupancy, cluster: ClusterView) -> str | None:
         """A busy engine running only latency work with soft caps that ``q`` (latency work without a TPOT
@@ -177,7 +265,8 @@ class AppCentricPolicy(Policy):
         return min(ends, key=lambda e: (ends[e], e)) if ends else None
 
     def _demand(self, q: QueuedRequest, cluster: ClusterView) -> Demand:
-        return self.demand(q.request, q.info, cluster.group_tokens(q.group_key, q.tokens))
+        cost = cluster.engines[q.candidates[0]].step_cost if q.candidates else None
+        return self.demand(q.request, q.info, cluster.group_tokens(q.group_key, q.tokens), cost)
 
 
 def _share_prefix(a: QueuedRequest, b: QueuedRequest) -> bool:

@@ -35,6 +35,7 @@ import enum
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from parrot.common.step_cost import StepCost
 from parrot.engine.interface import EngineStatus
 from parrot.manager.perf import PerfCriteria
 from parrot.manager.perf_deduction import SchedInfo
@@ -124,6 +125,7 @@ class PlacedRequest:
     task_group: str | None = None
     prefix_hashes: tuple[str, ...] = ()
     prompt_tokens: int = 0  # the prompt part of ``tokens`` (what a shared prefix can cover)
+    placed_at: float | None = None  # dispatcher clock when it was placed (None = unknown)
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,9 @@ class EngineView:
     # shared-prefix attention, paper §7), so such a prefix costs the engine's running tokens once. False for
     # plain paged attention (vLLM's kernel), where every request re-reads it: then each request counts in full.
     shared_prefix_attention: bool = True
+    # Iteration time vs batch, fitted from the step statistics the engines serving this model report (None =
+    # unknown: the policies then decide on tokens alone, see parrot.manager.policies.cost_aware)
+    step_cost: StepCost | None = None
 
     @property
     def tokens(self) -> int:
@@ -188,8 +193,9 @@ class ClusterView:
     during one."""
 
     def __init__(self, engines: Mapping[str, EngineView], *, prefix_tokens: PrefixLookup | None = None,
-                 group_tokens: Mapping[tuple[str | None, str], int] | None = None) -> None:
+                 group_tokens: Mapping[tuple[str | None, str], int] | None = None, now: float | None = None) -> None:
         self.engines = dict(engines)
+        self.now = now  # the dispatcher clock at this round (None = unknown), the time base of placed_at
         self._lookup = prefix_tokens
         self._group_tokens = dict(group_tokens or {})
         self._held: dict[tuple[str, str], int] = {}
@@ -244,8 +250,10 @@ class Policy(abc.ABC):
     caps_engines: bool = True  # its demands may carry caps (False: the dispatcher never pushes a token cap)
 
     @abc.abstractmethod
-    def demand(self, request: DispatchRequest, info: SchedInfo, group_tokens: int) -> Demand:
-        """The cap and kind of work of ``request`` (``group_tokens``: its task group's total, else its own)."""
+    def demand(self, request: DispatchRequest, info: SchedInfo, group_tokens: int,
+               cost: StepCost | None = None) -> Demand:
+        """The cap and kind of work of ``request`` (``group_tokens``: its task group's total, else its own;
+        ``cost``: the step cost of the engines serving it, if known)."""
 
     @abc.abstractmethod
     def place(self, queue: Sequence[QueuedRequest], cluster: ClusterView) -> list[Placement]:
@@ -257,7 +265,8 @@ class PerRequestPolicy(Policy):
 
     caps_engines = False
 
-    def demand(self, request: DispatchRequest, info: SchedInfo, group_tokens: int) -> Demand:
+    def demand(self, request: DispatchRequest, info: SchedInfo, group_tokens: int,
+               cost: StepCost | None = None) -> Demand:
         return Demand(None, WorkKind.LATENCY)
 
     @abc.abstractmethod
@@ -293,6 +302,15 @@ class Occupancy:
         self.firm = {n: any(p.demand.firm for p in e.placed) for n, e in cluster.engines.items()}
         self.hashes: dict[str, set[str]] = {n: {h for p in e.placed for h in p.prefix_hashes}
                                             for n, e in cluster.engines.items()}
+
+    def copy(self) -> "Occupancy":
+        """An independent copy (to try placements without making them)."""
+        out = object.__new__(Occupancy)
+        out.cluster = self.cluster
+        out.tokens, out.count, out.cap, out.firm = dict(self.tokens), dict(self.count), dict(self.cap), dict(self.firm)
+        out.kinds = {n: set(k) for n, k in self.kinds.items()}
+        out.hashes = {n: set(h) for n, h in self.hashes.items()}
+        return out
 
     def extra_tokens(self, engine: str, requests: Sequence[DispatchRequest]) -> int:
         """Tokens ``requests`` (placed together, in this order) add to ``engine``: each one's own tokens minus

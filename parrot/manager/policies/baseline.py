@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from parrot.common.step_cost import StepCost
 from parrot.manager.perf_deduction import SchedInfo
 from parrot.manager.policies.base import (
     ClusterView,
@@ -38,7 +39,8 @@ class FifoPolicy(Policy):
         self.cap_tokens = cap_tokens
         self.name = name
 
-    def demand(self, request: DispatchRequest, info: SchedInfo, group_tokens: int) -> Demand:
+    def demand(self, request: DispatchRequest, info: SchedInfo, group_tokens: int,
+               cost: StepCost | None = None) -> Demand:
         return Demand(self.cap_tokens, WorkKind.LATENCY)
 
     def place(self, queue: Sequence[QueuedRequest], cluster: ClusterView) -> list[Placement]:
