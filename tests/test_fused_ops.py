@@ -114,6 +114,37 @@ def dense_attention(scale: float):
     return attn
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,heads,dim", [(1, 12, 64), (64, 12, 64), (3, 2, 24), (700, 4, 64)])
+def test_rope_matches_torch_rotation(ops, rows, heads, dim, dtype):
+    """The fused RoPE equals RotaryEmbedding.apply (complex multiply in fp32, one rounding to the input dtype) on
+    a row-strided view like the model's q/k slice of qkv; D=24 runs the scalar tail after one 16-wide vector."""
+    from parrot.engine.layers.rotary import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(rows + dim)
+    qkv = torch.randn(rows, (heads + 3) * dim, generator=g).to(dtype)
+    x = qkv[:, : heads * dim].view(rows, heads, dim)  # strided rows
+    angles = torch.rand(rows, 1, dim // 2, generator=g) * 50
+    rot = torch.polar(torch.ones_like(angles), angles)
+    got = ops.rope(x, rot)
+    ref = RotaryEmbedding.apply(x, rot)
+    assert got.shape == ref.shape and got.dtype == dtype and got.is_contiguous()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    else:  # the fp32 results may differ in the last bits (FMA vs separate multiply-add), which moves a rare bf16
+        # rounding by one step: 1 ulp relative, or a few ulps of a result near 0 (cancellation)
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2**-8, atol=2**-10)
+        assert (got != ref).float().mean() < 0.01
+
+
+def test_rope_rejects_mismatched_rotation(ops):
+    x = torch.randn(4, 2, 8).bfloat16()
+    with pytest.raises(RuntimeError, match="rot must be complex64"):
+        ops.rope(x, torch.randn(4, 1, 8))
+    with pytest.raises(RuntimeError, match="rot must be complex64"):
+        ops.rope(x, torch.polar(torch.ones(4, 1, 3), torch.zeros(4, 1, 3)))
+
+
 def test_bf16_model_fused_path_matches_torch_path(ops):
     """The same bf16 model with and without the fused ops: the final hidden states agree to bf16 rounding noise
     (the paths differ only in where intermediate bf16 values are rounded); float32 models keep the torch path."""
@@ -131,7 +162,7 @@ def test_bf16_model_fused_path_matches_torch_path(ops):
     assert model.fused_ops is None
     # one norm up front, then per layer two add+norms and one SwiGLU
     assert counting.calls == {"rms_norm_cast": 1, "add_rms_norm_cast": 2 * SMALL.num_layers,
-                              "silu_mul": SMALL.num_layers}
+                              "silu_mul": SMALL.num_layers, "rope": SMALL.num_layers}
     rel = (got - ref).norm() / ref.norm()
     assert rel < 2e-2, rel
     assert torch.equal(model(ids, pos, attn).float(), ref)  # back on the torch path

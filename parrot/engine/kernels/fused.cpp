@@ -4,6 +4,8 @@
 //     rms_norm_cast(x, w, eps, dtype)            out = x * rsqrt(mean(x^2) + eps) * w, cast to dtype
 //     add_rms_norm_cast(h, delta, w, eps, dtype) h += delta (in place), then out = rms_norm(h) in dtype
 //     silu_mul(gate_up)                          [T, 2I] -> [T, I]: silu(gate_up[:, :I]) * gate_up[:, I:]
+//     rope(x, rot)                               x [T, heads, D] (rows may be strided) rotated pairwise by rot,
+//                                                complex [T, 1, D/2]: (x0 + i x1) * (cos + i sin) -> new contiguous
 //
 // x / h / w are float32 (the model's residual stream and norm weights), delta / gate_up and the outputs are
 // bfloat16 or float32. All math is float32; bf16 results are rounded to nearest even exactly as torch's
@@ -15,11 +17,13 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/complex.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -226,16 +230,68 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// ---- RoPE -----------------------------------------------------------------------------------------------------
+// x's last dim holds D/2 (re, im) pairs; rot row t holds D/2 (cos, sin) float pairs shared by all heads:
+//     out[2i] = x[2i] cos_i - x[2i+1] sin_i,    out[2i+1] = x[2i+1] cos_i + x[2i] sin_i
+template <typename T>
+void rope_row(const T* x, const float* cs, int64_t D, T* out) {
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  for (; d + 16 <= D; d += 16) {  // 8 pairs: duplicate cos / sin into both lanes of a pair, swap x's pairs
+    const __m512 v = load16(x + d), r = _mm512_loadu_ps(cs + d);
+    const __m512 c = _mm512_moveldup_ps(r), sn = _mm512_movehdup_ps(r);
+    const __m512 sw = _mm512_permute_ps(v, 0xB1);
+    store16(out + d, _mm512_fmaddsub_ps(v, c, _mm512_mul_ps(sw, sn)));  // even lanes: -, odd lanes: +
+  }
+#endif
+  for (; d < D; d += 2) {
+    const float a = to_f(x[d]), b = to_f(x[d + 1]), c = cs[d], sn = cs[d + 1];
+    out[d] = from_f<T>(a * c - b * sn);
+    out[d + 1] = from_f<T>(b * c + a * sn);
+  }
+}
+
+at::Tensor rope(const at::Tensor& x, const at::Tensor& rot) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+              "rope: x must be a [T, heads, D] CPU tensor with contiguous last dim and even D");
+  TORCH_CHECK(rot.scalar_type() == at::kComplexFloat && rot.dim() == 3 && rot.size(0) == x.size(0) &&
+                  rot.size(1) == 1 && rot.size(2) * 2 == x.size(2),
+              "rope: rot must be complex64 [T, 1, D/2] for x of shape ", x.sizes());
+  const at::Tensor cs = rot.contiguous();  // complex64 = (re, im) float pairs: [T, D/2, 2] floats
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
+  at::Tensor out = at::empty({T, H, D}, x.options());
+  auto run = [&](auto* tag) {
+    using S = std::remove_pointer_t<decltype(tag)>;
+    const S* xp = x.const_data_ptr<S>();
+    S* op = out.mutable_data_ptr<S>();
+    const float* cp = reinterpret_cast<const float*>(cs.const_data_ptr<c10::complex<float>>());
+    at::parallel_for(0, T, grain_rows(H * D), [&](int64_t r0, int64_t r1) {
+      for (int64_t t = r0; t < r1; ++t)
+        for (int64_t h = 0; h < H; ++h)
+          rope_row(xp + t * x.stride(0) + h * x.stride(1), cp + t * D, D, op + (t * H + h) * D);
+    });
+  };
+  if (x.scalar_type() == at::kBFloat16)
+    run(static_cast<c10::BFloat16*>(nullptr));
+  else if (x.scalar_type() == at::kFloat)
+    run(static_cast<float*>(nullptr));
+  else
+    TORCH_CHECK(false, "rope: bfloat16 or float32 only");
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(parrot_kernels, m) {
   m.def("rms_norm_cast(Tensor x, Tensor weight, float eps, ScalarType dtype) -> Tensor");
   m.def("add_rms_norm_cast(Tensor(a!) h, Tensor delta, Tensor weight, float eps, ScalarType dtype) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("rope(Tensor x, Tensor rot) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(parrot_kernels, CPU, m) {
   m.impl("rms_norm_cast", rms_norm_cast);
   m.impl("add_rms_norm_cast", add_rms_norm_cast);
   m.impl("silu_mul", silu_mul);
+  m.impl("rope", rope);
 }

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
@@ -60,8 +60,10 @@ class FusedOps(Protocol):
 
     def silu_mul(self, gate_up: Tensor) -> Tensor: ...
 
+    def rope(self, x: Tensor, rot: Tensor) -> Tensor: ...
 
-FUSED_OP_NAMES = ("rms_norm_cast", "add_rms_norm_cast", "silu_mul")
+
+FUSED_OP_NAMES = ("rms_norm_cast", "add_rms_norm_cast", "silu_mul", "rope")
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -95,16 +97,18 @@ class LlamaDecoderLayer(nn.Module):
         in place and returns ``rms_norm(h, next_norm)``, the next layer's input (or the final norm's output):
         each residual add runs fused with the norm that follows it."""
         dtype = self.compute_dtype
-        x = ops.add_rms_norm_cast(h, self._attention(x, rot, attn), self.post_norm, self.eps, dtype)
+        x = ops.add_rms_norm_cast(h, self._attention(x, rot, attn, ops.rope), self.post_norm, self.eps, dtype)
         mlp = self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
         return ops.add_rms_norm_cast(h, mlp, next_norm, self.eps, dtype)
 
-    def _attention(self, x: Tensor, rot: Tensor, attn: AttentionBackend) -> Tensor:
-        """Normed input [T, H] -> o_proj(attention) [T, H] in the compute dtype."""
+    def _attention(self, x: Tensor, rot: Tensor, attn: AttentionBackend,
+                   rope: Callable[[Tensor, Tensor], Tensor] = RotaryEmbedding.apply) -> Tensor:
+        """Normed input [T, H] -> o_proj(attention) [T, H] in the compute dtype (``rope``: torch's or the fused op,
+        same contract)."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         # q and k are adjacent in qkv, so one RoPE call rotates both; v stays a view of qkv
-        qk = RotaryEmbedding.apply(qkv[:, : self.qk_size].view(t, self.qk_heads, self.head_dim), rot)
+        qk = rope(qkv[:, : self.qk_size].view(t, self.qk_heads, self.head_dim), rot)
         v = qkv[:, self.qk_size:].view(t, self.num_kv_heads, self.head_dim)
         return self.o_proj(attn(self.layer_idx, qk[:, : self.num_heads], qk[:, self.num_heads:], v))
 
