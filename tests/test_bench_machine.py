@@ -59,3 +59,14 @@ def test_decode_flops_formula_matches_smollm2_shapes():
     assert matmul_params(cfg) == 30 * 3_538_944 + 28_311_552
     assert flops_per_token(cfg, 0) == 2 * matmul_params(cfg)
     assert flops_per_token(cfg, 100) - flops_per_token(cfg, 0) == 4 * 30 * 9 * 64 * 100
+
+
+def test_combine_peaks_takes_the_higher_reading_per_figure():
+    from parrot.bench.engine import combine_peaks
+
+    a = {"system": "machine", "bf16_matmul_gflops": 447.0, "fp32_matmul_gflops": 130.0, "mem_read_gbs": 18.0}
+    b = {"system": "machine", "bf16_matmul_gflops": 690.0, "fp32_matmul_gflops": 124.0, "mem_read_gbs": 13.1}
+    got = combine_peaks(a, b)
+    assert (got["bf16_matmul_gflops"], got["fp32_matmul_gflops"], got["mem_read_gbs"]) == (690.0, 130.0, 18.0)
+    assert got["readings"][0]["bf16_matmul_gflops"] == 447.0 and got["readings"][1]["mem_read_gbs"] == 13.1
+    assert combine_peaks(None, b) is b and combine_peaks(a, None) is a and combine_peaks(None, None) is None
