@@ -135,7 +135,10 @@ def test_openai_client_on_real_model(server):
     stream = client.completions.create(model=model, prompt="The capital of France is", max_tokens=5, temperature=0,
                                        stream=True)
     assert "".join(c.choices[0].text for c in stream if c.choices) == r.choices[0].text
-    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    # a question whose first answer token wins clearly (fp32 logit margin 1.45): "What is the capital of France?"
+    # is a near-tie for this model ("The" 25.33 vs "L" 25.24), which bf16 rounding flips when a prefix-cache hit
+    # changes the prefill's row count (the AMX and oneDNN matmuls round differently)
+    msgs = [{"role": "user", "content": "Name the capital of France."}]
     c = client.chat.completions.create(model=model, messages=msgs, max_tokens=12, temperature=0)
     assert "Paris" in c.choices[0].message.content
     chunks = client.chat.completions.create(model=model, messages=msgs, max_tokens=12, temperature=0, stream=True)
