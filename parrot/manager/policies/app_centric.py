@@ -175,7 +175,6 @@ class AppCentricPolicy(Policy):
         if only is not None:
             names &= set(only)
         extra = {e: occ.extra_tokens(e, requests) for e in names}
-
         room = [e for e in names if occ.fits(e, extra[e], cap, members=len(members))
                 and (mix_kinds or kind is WorkKind.THROUGHPUT or WorkKind.THROUGHPUT not in occ.kinds[e])]
         if not room:
