@@ -47,8 +47,8 @@ def native_kernel():
     C++ compiler; with one, a failed build fails the test."""
     import shutil
 
-    from parrot.engine.kernels import load_paged_decode
+    from parrot.engine.kernels import load_kernels
 
     if not (shutil.which("g++") or shutil.which("c++")):
         pytest.skip("no C++ compiler: the engine runs the pure-torch attention path here")
-    return load_paged_decode(build_if_missing=True)
+    return load_kernels(build_if_missing=True).paged_decode

@@ -49,12 +49,17 @@ def sources() -> list[Path]:
     return sorted(_DIR.glob("*.cpp"))
 
 
+def headers() -> list[Path]:
+    """The headers those sources include (part of the hash: a changed header means a new library)."""
+    return sorted(_DIR.glob("*.h"))
+
+
 def library_path() -> Path:
     """Where the compiled library for this source + torch + flags lives (it may not exist yet)."""
     import torch
 
     digest = hashlib.sha1(torch.__version__.encode() + " ".join(_CXXFLAGS).encode())
-    for src in sources():
+    for src in (*sources(), *headers()):
         digest.update(src.name.encode() + src.read_bytes())
     name = f"parrot_kernels-{digest.hexdigest()[:12]}.so"
     local = Path(__file__).with_name("_build")
@@ -119,12 +124,6 @@ def load_kernels(*, build_if_missing: bool = False):
             torch.ops.load_library(key)
             _loaded[key] = True
     return torch.ops.parrot_kernels
-
-
-def load_paged_decode(*, build_if_missing: bool = False):
-    """The ``paged_decode`` op (see paged_attention.cpp), or None; see :func:`load_kernels`."""
-    ops = load_kernels(build_if_missing=build_if_missing)
-    return None if ops is None else ops.paged_decode
 
 
 def main() -> int:

@@ -29,9 +29,7 @@
 #include <tuple>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 
@@ -85,34 +83,13 @@ void item_scalar(const Problem& p, const T* q, const T* kc, const T* vc, T* out,
 
 #if defined(__AVX512F__)
 // ---- AVX-512 path: D = 16 * NV, q heads of one KV head held in registers ---------------------------------------
-inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load16(const c10::BFloat16* x) {  // bf16 -> fp32 is a 16-bit left shift
-  __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-inline void store16(float* x, __m512 v) { _mm512_storeu_ps(x, v); }
-inline void store16(c10::BFloat16* x, __m512 v) {  // round to nearest even, like torch's conversion
-  for (int i = 0; i < 16; ++i) x[i] = c10::BFloat16(reinterpret_cast<const float*>(&v)[i]);
-}
+using parrot_kernels::load16;
+using parrot_kernels::store16;
 
-// e^x for x <= 0 (scores minus their max): 2^n * e^r with n = round(x / ln2), |r| <= ln2 / 2, degree-6 Taylor
-// polynomial for e^r (relative error < 2e-7); inputs below -87 flush to 0 like expf.
-inline __m512 exp512(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.0f);
-  __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  x = _mm512_max_ps(x, lo);
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 split in two for precision
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.0f / 720);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 120));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 24));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 6));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(y, n));
+// e^x of scores minus their max (x <= 0): simd.h's exp512, with inputs below -87 flushed to 0 like expf
+inline __m512 exp_scores(__m512 x) {
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  return _mm512_maskz_mov_ps(~tiny, parrot_kernels::exp512(x));
 }
 
 constexpr int kMaxG = 8;
@@ -174,7 +151,7 @@ void item_avx512(const Problem& p, const T* q, const T* kc, const T* vc, T* out,
     __m512 sv = _mm512_setzero_ps();
     for (int64_t t = 0; t < Lp; t += 16) {
       __mmask16 mk = (L - t >= 16) ? __mmask16(0xFFFF) : tail;
-      __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_loadu_ps(sh + t), mm)));
+      __m512 e = _mm512_maskz_mov_ps(mk, exp_scores(_mm512_sub_ps(_mm512_loadu_ps(sh + t), mm)));
       _mm512_storeu_ps(sh + t, e);
       sv = _mm512_add_ps(sv, e);
     }
