@@ -5,6 +5,7 @@ alive again. First on fake engines, then with real `parrot engine` processes (ti
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -193,7 +194,7 @@ def test_killed_engine_process_requests_rerun_on_the_survivor(tmp_path, default_
     try:
         wait_until(lambda: _live(server.url) == {"fo-0", "fo-1"}, 180, "two engines to register")
         session = connect(server.url, make_default=False)
-        long = Output(max_tokens=300, ignore_eos=True, temperature=0.0, stop=[])
+        long = Output(max_tokens=850, ignore_eos=True, temperature=0.0, stop=[])
         short = Output(max_tokens=30, ignore_eos=True, temperature=0.0, stop=[])
         summarize = SemanticFunction("Summarize part {{input:n}}: {{output:s}}", name="map", defaults=long)
         combine = SemanticFunction("Combine {{input:a}} | {{input:b}} | {{input:c}} | {{input:d}} => {{output:s}}",
@@ -202,15 +203,31 @@ def test_killed_engine_process_requests_rerun_on_the_survivor(tmp_path, default_
         maps = [summarize(str(i), session=session) for i in range(4)]
         final = polish(combine(*maps, session=session), session=session)
 
-        def running_on_each_engine():
-            reqs = session.dag()["requests"]
-            busy = {r["engine"] for r in reqs if r["status"] == "running"}
-            return reqs if busy == {"fo-0", "fo-1"} else None
+        def generating(dag: dict, engine: str, within_s: float | None = None) -> set[str]:
+            # "running" also covers a request whose outputs are all materialized and which is only freeing its
+            # context: losing the engine then leaves nothing to rerun, so only pending outputs count. With
+            # ``within_s``, only steps dispatched that recently (a map decodes 850 tokens, ~0.9 s on the tiny
+            # model; four of them must fit the reduce's 4,096-token window), so the kill most likely lands before
+            # their last token (the DAG's clock is this process's time.time)
+            ready = {v["var_id"] for v in dag["variables"] if v["status"] == "ready"}
+            return {r["request_id"] for r in dag["requests"] if r["status"] == "running" and r["engine"] == engine
+                    and not set(r["outputs"]) <= ready
+                    and (within_s is None or r["timestamps"]["dispatched"] > time.time() - within_s)}
 
-        reqs = wait_until(running_on_each_engine, 60, "map steps running on both engines")
+        def generating_on_each_engine():
+            dag = session.dag()
+            doomed = generating(dag, "fo-0", within_s=0.5)
+            return doomed if doomed and generating(dag, "fo-1") else None
+
+        generating_before = wait_until(generating_on_each_engine, 60, "map steps generating on both engines")
         victim = next(p for p in procs if p.name == "fo-0")
-        doomed = {r["request_id"] for r in reqs if r["status"] == "running" and r["engine"] == "fo-0"}
         victim.kill()  # SIGKILL: no goodbye, in-flight HTTP calls break
+        # a step may still have finished between that snapshot and the kill; nothing can finish on fo-0 after it,
+        # so the steps the kill interrupted are those still pending now
+        after = session.dag()
+        ready_after = {v["var_id"] for v in after["variables"] if v["status"] == "ready"}
+        doomed = {r["request_id"] for r in after["requests"]
+                  if r["request_id"] in generating_before and not set(r["outputs"]) <= ready_after}
         values = [m.get(timeout=120) for m in maps] + [final.get(timeout=120)]
         assert all(isinstance(v, str) and v for v in values)
         # a request whose last output is materialized may still be freeing its context: wait for the status
