@@ -8,10 +8,9 @@ import os
 import torch
 
 from parrot.engine.config import ModelConfig
-from parrot.engine.engine import LLMEngine
+from parrot.engine.engine import EngineThread, LLMEngine
 from parrot.engine.kv_cache.block_pool import BlockPool
 from parrot.engine.layers.linear import FastLinear
-from parrot.engine.layers.packed import AMX_MAX_ROWS
 from parrot.engine.local_client import LocalEngineClient
 from parrot.engine.model_files import resolve_model_path
 from parrot.engine.runner import ModelRunner
@@ -33,7 +32,20 @@ TINY_RANDOM_CONFIG = ModelConfig(
 
 
 def build_engine(settings: EngineSettings, *, model=None, tokenizer=None) -> LLMEngine:
-    """Load (or take) the model + tokenizer and start an LLMEngine. ``model``/``tokenizer`` are for tests."""
+    """Load (or take) the model + tokenizer and start an LLMEngine. ``model``/``tokenizer`` are for tests.
+
+    Everything torch runs on the engine's own thread, which then runs its loop (engine.EngineThread says why)."""
+    thread = EngineThread(f"parrot-engine-{settings.name}")
+    try:
+        engine = thread.call(lambda: _assemble(settings, model, tokenizer, thread))
+    except BaseException:
+        thread.stop()
+        raise
+    engine.start()
+    return engine
+
+
+def _assemble(settings: EngineSettings, model, tokenizer, thread: EngineThread) -> LLMEngine:
     if settings.num_threads:
         torch.set_num_threads(settings.num_threads)
     if model is None and settings.random_model == "tiny":
@@ -67,16 +79,16 @@ def build_engine(settings: EngineSettings, *, model=None, tokenizer=None) -> LLM
     native = _native_ops(settings)
     if model.use_fused_ops(native):  # None (or a float32 model) keeps / restores the torch path
         log.info("engine %s: native fused norm / SwiGLU ops in use", settings.name)
-    amx = [m.use_amx(native is not None) for m in model.modules() if isinstance(m, FastLinear)]
-    if any(amx):
-        log.info("engine %s: AMX matmul for 2-%d rows in %d of %d linear layers", settings.name, AMX_MAX_ROWS,
-                 sum(amx), len(amx))
+    linears = [m for m in model.modules() if isinstance(m, FastLinear)]
+    vnni = [m.vnni for m in linears if m.use_vnni(native is not None)]
+    if vnni:
+        log.info("engine %s: native %s matmul for up to %d rows in %d of %d linear layers", settings.name,
+                 vnni[0].backend, vnni[0].max_rows, len(vnni), len(linears))
     runner = ModelRunner(model, num_blocks, bs, sampler, shared_prefix_attention=settings.shared_prefix_attention,
                          decode_kernel=None if native is None else native.paged_decode)
     scheduler = Scheduler(pool, settings.max_num_seqs, settings.max_batch_tokens)
     engine = LLMEngine(name=settings.name, model_name=model_name, runner=runner, pool=pool, scheduler=scheduler,
-                       tokenizer=tokenizer, max_model_len=max_len)
-    engine.start()
+                       tokenizer=tokenizer, max_model_len=max_len, thread=thread)
     log.info("engine %s: model %s, %s, KV pool %d blocks x %d tokens, window %d", settings.name, model_name,
              settings.dtype, num_blocks, bs, max_len)
     return engine

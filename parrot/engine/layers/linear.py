@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from parrot.engine.layers.int4 import INT4_GROUP, quantize_int4
-from parrot.engine.layers.packed import (AMX_MAX_ROWS, DECODE_PACK_MAX_ROWS, DECODE_PACK_ROWS, PREFILL_PACK_ROWS,
-                                         amx_ops, amx_packable, pack_weight, packed_linear)
+from parrot.engine.layers.packed import (DECODE_PACK_MAX_ROWS, DECODE_PACK_ROWS, PREFILL_PACK_ROWS, VnniKernel,
+                                         pack_weight, packed_linear, vnni_kernel, vnni_packable)
 
 WEIGHT_QUANTS = ("none", "int8", "int4")
 # Measured on the dev box (SmolLM2 shapes, bf16 activations): int8 beats the dense kernel up to 4 rows
@@ -71,15 +71,16 @@ class FastLinear(nn.Module):
     """``y = x @ W.T`` for 2-D ``x`` [rows, in_features]; no bias. Three kernels, picked per call by row count:
 
         rows <= quant_max_rows          quantized weight-only kernel (bandwidth-bound decode of a few rows)
-        rows <= AMX_MAX_ROWS            the native AMX kernel's packed bf16 weight     (``pack=True`` and AMX)
-        rows <= DECODE_PACK_MAX_ROWS    bf16 weight packed for DECODE_PACK_ROWS rows   (``pack=True``, no AMX)
+        rows <= vnni.max_rows           the native VNNI kernel's packed bf16 weight    (``pack=True``, AMX or
+                                                                                        AVX512-BF16)
+        rows <= DECODE_PACK_MAX_ROWS    bf16 weight packed for DECODE_PACK_ROWS rows   (``pack=True``, no VNNI)
         more rows                       bf16 weight packed for PREFILL_PACK_ROWS rows  (``pack=True``)
         (without packing: the dense ``F.linear``)
 
     Buffers: ``weight`` (dense, compute dtype; dropped when packed -- ``dense_weight()`` unpacks on demand),
     ``qweight`` and ``scales`` for a quantized layer (int8: [N] per-row scales; int4: [K/32, N, 2] group scales
     and zeros, see layers/int4.py). The oneDNN packed weights are opaque mkldnn tensors kept as plain attributes;
-    ``amx_weight`` is the AMX kernel's layout (kernels/amx_gemm.cpp) and replaces the oneDNN decode pack."""
+    ``vnni_weight`` is the native kernel's layout (kernels/vnni_gemm.cpp) and replaces the oneDNN decode pack."""
 
     weight: Tensor | None
     qweight: Tensor | None
@@ -103,9 +104,12 @@ class FastLinear(nn.Module):
             self.quant_max_rows = quant_max_rows
         dense = weight.to(dtype).contiguous()
         self.dtype = dense.dtype
-        self.amx = amx_ops() if pack and amx_packable(dense) else None  # use_amx(False) switches it off
-        self.amx_weight = self.amx.amx_pack(dense) if self.amx is not None else None
-        self.packed_decode = pack_weight(dense, DECODE_PACK_ROWS) if pack and self.amx is None else None
+        # the machine's fastest native backend, if any and the shape fits; ``vnni`` is None while use_vnni(False)
+        kernel = vnni_kernel() if pack and vnni_packable(dense) else None
+        self.vnni_packed_for: VnniKernel | None = kernel
+        self.vnni = kernel
+        self.vnni_weight = kernel.pack(dense) if kernel is not None else None
+        self.packed_decode = pack_weight(dense, DECODE_PACK_ROWS) if pack and self.vnni is None else None
         self.packed_prefill = pack_weight(dense, PREFILL_PACK_ROWS) if pack else None
         self.register_buffer("weight", None if pack else dense)
         # the dtype the quantized kernel runs in (its scales must match the activations)
@@ -127,18 +131,18 @@ class FastLinear(nn.Module):
             if x.dtype == self.int8_dtype:
                 return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
             return torch.ops.aten._weight_int8pack_mm(x.to(self.int8_dtype), self.qweight, self.scales).to(x.dtype)
-        if self.amx is not None and rows <= AMX_MAX_ROWS:
-            return self.amx.amx_linear(x, self.amx_weight)
+        if self.vnni is not None and rows <= self.vnni.max_rows:
+            return self.vnni.linear(x, self.vnni_weight)
         if self.packed_prefill is not None:
             small = self.packed_decode is not None and rows <= DECODE_PACK_MAX_ROWS
             return packed_linear(x, self.packed_decode if small else self.packed_prefill)
         return F.linear(x, self.weight)
 
-    def use_amx(self, enabled: bool) -> bool:
-        """Switch the AMX kernel off (the oneDNN prefill pack, as fast from 2 rows up to 128, then runs every
-        packed call) or back on when this layer has its weight. Returns whether it is on."""
-        self.amx = amx_ops() if enabled and self.amx_weight is not None else None
-        return self.amx is not None
+    def use_vnni(self, enabled: bool) -> bool:
+        """Switch the native kernel off (the oneDNN prefill pack then runs every packed call) or back on when this
+        layer has its weight. Returns whether it is on."""
+        self.vnni = self.vnni_packed_for if enabled else None
+        return self.vnni is not None
 
     def dense_weight(self) -> Tensor:
         """The weight as a dense tensor in the compute dtype."""
@@ -147,4 +151,4 @@ class FastLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, quant={self.quant}, "
                 f"quant_max_rows={self.quant_max_rows}, packed={self.packed_prefill is not None}, "
-                f"amx={self.amx_weight is not None}")
+                f"vnni={self.vnni.backend if self.vnni is not None else None}")
