@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -103,82 +104,169 @@ inline void prefetch_rows(const T* x, int64_t stride, int64_t n) {
       _mm_prefetch(reinterpret_cast<const char*>(x + j * stride) + 64 * c, _MM_HINT_T0);
 }
 
+#if defined(__AVX512BF16__)
+// 16 vectors -> one: lane j = the sum of v[j]'s 16 lanes (45 shuffles/adds for 16 sums, vs ~8 dependent ones
+// per _mm512_reduce_add_ps). Per 128-bit block:
+//   stage 1  lo/hi_ps(a, b) = [a0 b0 a1 b1] / [a2 b2 a3 b3]   -> sum [a0+a2, b0+b2, a1+a3, b1+b3]
+//   stage 2  lo/hi_pd of two stage-1 results (64-bit pairs)   -> [sum(a), sum(b), sum(c), sum(d)] of the block
+//   stage 3/4 shuffle_f32x4 pairs of blocks (x0 x2 y0 y2) + (x1 x3 y1 y3), twice -> whole-vector sums
+inline __m512 reduce16(__m512* v) {
+  __m512 s1[8], s2[4];
+  for (int i = 0; i < 8; ++i)
+    s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(s1[2 * i]), y = _mm512_castps_pd(s1[2 * i + 1]);
+    s2[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  auto fold = [](__m512 x, __m512 y) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+  };
+  return fold(fold(s2[0], s2[1]), fold(s2[2], s2[3]));
+}
+
+// pass 1 for bf16 K/V: s[g - g0][h][t] = scale * q_{g,h} . k_t for KV heads g in [g0, g1) and their G query
+// heads, 16 tokens at a time. The bf16 q and K rows go straight into VDPBF16PS (2 products per fp32 lane; no
+// conversion), one vector of partial sums per token, and reduce16 turns 16 such vectors into 16 scores.
+// With several KV heads per call the token rows are read whole (all heads side by side), one forward sweep.
+// NB = D / 32 bf16 vectors per head.
+constexpr int64_t kAhead = 32;  // K rows prefetched this many tokens ahead
+
+template <int NB>
+void scores_bf16(const Problem& p, const c10::BFloat16* qb0, const c10::BFloat16* kc, const c10::BFloat16* vc,
+                 const int64_t* off, int64_t L, int64_t g0, int64_t g1, float* s, int64_t Lp) {
+  constexpr int64_t D = 32 * NB;
+  const int64_t G = p.G, span = (g1 - g0) * D, row = p.KVH * D;
+  // this call's part of one token row: K into L1 (read within kAhead tokens), V into L2 (read in pass 2, after
+  // all of K: a sequence's V does not fit L1)
+  auto prefetch_k = [&](const c10::BFloat16* x) {
+    for (int64_t c = 0; c < span * 2; c += 64) _mm_prefetch(reinterpret_cast<const char*>(x) + c, _MM_HINT_T0);
+  };
+  auto prefetch_v = [&](const c10::BFloat16* x) {
+    for (int64_t c = 0; c < span * 2; c += 64) _mm_prefetch(reinterpret_cast<const char*>(x) + c, _MM_HINT_T1);
+  };
+  const __m512 sc = _mm512_set1_ps(p.scale);
+  const c10::BFloat16* k[16];
+  for (int64_t t = 0; t < std::min<int64_t>(L, kAhead); ++t) prefetch_k(kc + off[t] + g0 * D);
+  for (int64_t t0 = 0; t0 < L; t0 += 16) {
+    const int64_t n = std::min<int64_t>(16, L - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      k[j] = kc + off[t0 + j];
+      prefetch_v(vc + off[t0 + j] + g0 * D);
+      if (t0 + kAhead + j < L) prefetch_k(kc + off[t0 + kAhead + j] + g0 * D);
+    }
+    for (int64_t g = g0; g < g1; ++g) {
+      for (int64_t h = 0; h < G; ++h) {
+        const c10::BFloat16* qh = qb0 + (g * G + h) * p.q_sh;
+        __m512bh qv[NB];
+        for (int i = 0; i < NB; ++i) qv[i] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(qh + 32 * i));
+        __m512 v[16];
+        for (int64_t j = 0; j < 16; ++j) {
+          v[j] = _mm512_setzero_ps();
+          if (j < n)
+            for (int i = 0; i < NB; ++i)
+              v[j] = _mm512_dpbf16_ps(v[j], qv[i],
+                                      reinterpret_cast<__m512bh>(_mm512_loadu_si512(k[j] + g * D + 32 * i)));
+        }
+        // lanes >= n sum to 0 and land in the row's padding
+        _mm512_storeu_ps(s + ((g - g0) * G + h) * Lp + t0, _mm512_mul_ps(reduce16(v), sc));
+      }
+    }
+  }
+  (void)row;
+}
+#endif
+
+// sequence b, KV heads [g0, g1): every query head of those KV heads
 template <typename T, int NV>
-void item_avx512(const Problem& p, const T* q, const T* kc, const T* vc, T* out, int64_t b, int64_t g,
-                 std::vector<float>& buf) {
+void item_avx512(const Problem& p, const T* q, const T* kc, const T* vc, T* out, int64_t b, int64_t g0,
+                 int64_t g1, std::vector<float>& buf, std::vector<int64_t>& offs) {
   const int64_t L = p.lens[b], G = p.G, BS = p.BS, row = p.KVH * p.D;
   constexpr int64_t D = 16 * NV;
   const int32_t* table = p.tables + b * p.MAXB;
   const int64_t Lp = (L + 15) & ~int64_t(15);  // per-head score rows padded to whole vectors
-  buf.resize(G * Lp);
-  float* s = buf.data();
-  __m512 qv[kMaxG][NV];
-  const __m512 sc = _mm512_set1_ps(p.scale);
-  for (int64_t h = 0; h < G; ++h) {
-    const T* qh = q + b * p.q_sb + (g * G + h) * p.q_sh;
-    for (int i = 0; i < NV; ++i) qv[h][i] = _mm512_mul_ps(load16(qh + 16 * i), sc);
+  buf.resize((g1 - g0) * G * Lp);
+  // token t's row starts off[t] elements into a cache (no per-token division by BS)
+  offs.resize(L);
+  for (int64_t t0 = 0, i = 0; t0 < L; t0 += BS, ++i) {
+    const int64_t base = static_cast<int64_t>(table[i]) * BS * row;
+    for (int64_t j = 0; j < std::min(BS, L - t0); ++j) offs[t0 + j] = base + j * row;
   }
-  // pass 1: scores. The blocks are scattered over the pool, which defeats the hardware prefetcher at every
-  // block boundary: prefetch the next block's K rows and this block's V rows (read again in pass 2) by hand.
-  for (int64_t t0 = 0; t0 < L; t0 += BS) {
-    const T* kb = kc + static_cast<int64_t>(table[t0 / BS]) * BS * row + g * D;
-    const int64_t n = std::min(BS, L - t0);
-    if (t0 + BS < L) prefetch_rows<T, D>(kc + static_cast<int64_t>(table[t0 / BS + 1]) * BS * row + g * D, row,
-                                   std::min(BS, L - t0 - BS));
-    prefetch_rows<T, D>(vc + static_cast<int64_t>(table[t0 / BS]) * BS * row + g * D, row, n);
-    for (int64_t j = 0; j < n; ++j) {
-      const T* k = kb + j * row;
-      __m512 kv[NV];
-      for (int i = 0; i < NV; ++i) kv[i] = load16(k + 16 * i);
+  // pass 1: scores
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && NV % 2 == 0) {
+    scores_bf16<NV / 2>(p, q + b * p.q_sb, kc, vc, offs.data(), L, g0, g1, buf.data(), Lp);
+  } else
+#endif
+  {
+    // the blocks are scattered over the pool, which defeats the hardware prefetcher at every block boundary:
+    // prefetch the next block's K rows and this block's V rows (read again in pass 2) by hand
+    const __m512 sc = _mm512_set1_ps(p.scale);
+    for (int64_t g = g0; g < g1; ++g) {
+      float* s = buf.data() + (g - g0) * G * Lp;
+      __m512 qv[kMaxG][NV];
       for (int64_t h = 0; h < G; ++h) {
-        __m512 a = _mm512_mul_ps(qv[h][0], kv[0]);
-        for (int i = 1; i < NV; ++i) a = _mm512_fmadd_ps(qv[h][i], kv[i], a);
-        s[h * Lp + t0 + j] = _mm512_reduce_add_ps(a);
+        const T* qh = q + b * p.q_sb + (g * G + h) * p.q_sh;
+        for (int i = 0; i < NV; ++i) qv[h][i] = _mm512_mul_ps(load16(qh + 16 * i), sc);
+      }
+      for (int64_t t0 = 0; t0 < L; t0 += BS) {
+        const int64_t n = std::min(BS, L - t0);
+        if (t0 + BS < L) prefetch_rows<T, D>(kc + offs[t0 + BS] + g * D, row, std::min(BS, L - t0 - BS));
+        prefetch_rows<T, D>(vc + offs[t0] + g * D, row, n);
+        for (int64_t j = 0; j < n; ++j) {
+          const T* k = kc + offs[t0 + j] + g * D;
+          __m512 kv[NV];
+          for (int i = 0; i < NV; ++i) kv[i] = load16(k + 16 * i);
+          for (int64_t h = 0; h < G; ++h) {
+            __m512 a = _mm512_mul_ps(qv[h][0], kv[0]);
+            for (int i = 1; i < NV; ++i) a = _mm512_fmadd_ps(qv[h][i], kv[i], a);
+            s[h * Lp + t0 + j] = _mm512_reduce_add_ps(a);
+          }
+        }
       }
     }
   }
-  // softmax per head, in place; the padded tail [L, Lp) of each row is written as 0 by the exp pass
   const __mmask16 tail = static_cast<__mmask16>((1u << (L & 15)) - 1);
-  for (int64_t h = 0; h < G; ++h) {
-    float* sh = s + h * Lp;
-    __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t t = 0; t < L; t += 16) {
-      __mmask16 mk = (L - t >= 16) ? __mmask16(0xFFFF) : tail;
-      mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, sh + t));
+  for (int64_t g = g0; g < g1; ++g) {
+    float* s = buf.data() + (g - g0) * G * Lp;
+    // softmax per head, in place; the padded tail [L, Lp) of each row is written as 0 by the exp pass
+    for (int64_t h = 0; h < G; ++h) {
+      float* sh = s + h * Lp;
+      __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t t = 0; t < L; t += 16) {
+        __mmask16 mk = (L - t >= 16) ? __mmask16(0xFFFF) : tail;
+        mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, sh + t));
+      }
+      const float m = _mm512_reduce_max_ps(mv);
+      const __m512 mm = _mm512_set1_ps(m);
+      __m512 sv = _mm512_setzero_ps();
+      for (int64_t t = 0; t < Lp; t += 16) {
+        __mmask16 mk = (L - t >= 16) ? __mmask16(0xFFFF) : tail;
+        __m512 e = _mm512_maskz_mov_ps(mk, exp_scores(_mm512_sub_ps(_mm512_loadu_ps(sh + t), mm)));
+        _mm512_storeu_ps(sh + t, e);
+        sv = _mm512_add_ps(sv, e);
+      }
+      const float sum = _mm512_reduce_add_ps(sv);
+      const __m512 inv = _mm512_set1_ps(1.0f / sum);
+      for (int64_t t = 0; t < Lp; t += 16) _mm512_storeu_ps(sh + t, _mm512_mul_ps(_mm512_loadu_ps(sh + t), inv));
+      if (p.lse) p.lse[b * p.H + g * G + h] = m + std::log(sum);
     }
-    const float m = _mm512_reduce_max_ps(mv);
-    const __m512 mm = _mm512_set1_ps(m);
-    __m512 sv = _mm512_setzero_ps();
-    for (int64_t t = 0; t < Lp; t += 16) {
-      __mmask16 mk = (L - t >= 16) ? __mmask16(0xFFFF) : tail;
-      __m512 e = _mm512_maskz_mov_ps(mk, exp_scores(_mm512_sub_ps(_mm512_loadu_ps(sh + t), mm)));
-      _mm512_storeu_ps(sh + t, e);
-      sv = _mm512_add_ps(sv, e);
-    }
-    const float sum = _mm512_reduce_add_ps(sv);
-    const __m512 inv = _mm512_set1_ps(1.0f / sum);
-    for (int64_t t = 0; t < Lp; t += 16) _mm512_storeu_ps(sh + t, _mm512_mul_ps(_mm512_loadu_ps(sh + t), inv));
-    if (p.lse) p.lse[b * p.H + g * G + h] = m + std::log(sum);
-  }
-  // pass 2: out_h = sum_t p[h][t] v_t
-  __m512 acc[kMaxG][NV];
-  for (int64_t h = 0; h < G; ++h)
-    for (int i = 0; i < NV; ++i) acc[h][i] = _mm512_setzero_ps();
-  for (int64_t t0 = 0; t0 < L; t0 += BS) {
-    const T* vb = vc + static_cast<int64_t>(table[t0 / BS]) * BS * row + g * D;
-    const int64_t n = std::min(BS, L - t0);
-    for (int64_t j = 0; j < n; ++j) {
-      const T* v = vb + j * row;
+    // pass 2: out_h = sum_t p[h][t] v_t
+    __m512 acc[kMaxG][NV];
+    for (int64_t h = 0; h < G; ++h)
+      for (int i = 0; i < NV; ++i) acc[h][i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < L; ++t) {
+      const T* v = vc + offs[t] + g * D;
       __m512 vv[NV];
       for (int i = 0; i < NV; ++i) vv[i] = load16(v + 16 * i);
       for (int64_t h = 0; h < G; ++h) {
-        const __m512 w = _mm512_set1_ps(s[h * Lp + t0 + j]);
+        const __m512 w = _mm512_set1_ps(s[h * Lp + t]);
         for (int i = 0; i < NV; ++i) acc[h][i] = _mm512_fmadd_ps(w, vv[i], acc[h][i]);
       }
     }
+    for (int64_t h = 0; h < G; ++h)
+      for (int i = 0; i < NV; ++i) store16(out + (b * p.H + g * G + h) * D + 16 * i, acc[h][i]);
   }
-  for (int64_t h = 0; h < G; ++h)
-    for (int i = 0; i < NV; ++i) store16(out + (b * p.H + g * G + h) * D + 16 * i, acc[h][i]);
 }
 #endif
 
@@ -188,20 +276,23 @@ void run(const Problem& p, const at::Tensor& q, const at::Tensor& kc, const at::
   const T* kp = kc.const_data_ptr<T>();
   const T* vp = vc.const_data_ptr<T>();
   T* op = out.mutable_data_ptr<T>();
-  const int64_t items = p.B * p.KVH;
+  // item = (sequence, KV heads): with enough sequences for every thread, a whole sequence (its token rows read
+  // whole, one forward sweep: ~2x the bandwidth of three strided sweeps), else one KV head of one sequence
+  const int64_t per = p.B >= 2 * at::get_num_threads() ? p.KVH : 1, items = p.B * (p.KVH / per);
   // an item costs ~ its sequence length; small grains keep both threads busy on a ragged batch
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
+    std::vector<int64_t> offs;
     for (int64_t it = begin; it < end; ++it) {
-      const int64_t b = it / p.KVH, g = it % p.KVH;
+      const int64_t b = it / (p.KVH / per), g0 = it % (p.KVH / per) * per, g1 = g0 + per;
 #if defined(__AVX512F__)
       if (p.G <= kMaxG) {
-        if (p.D == 64) { item_avx512<T, 4>(p, qp, kp, vp, op, b, g, buf); continue; }
-        if (p.D == 128) { item_avx512<T, 8>(p, qp, kp, vp, op, b, g, buf); continue; }
-        if (p.D == 32) { item_avx512<T, 2>(p, qp, kp, vp, op, b, g, buf); continue; }
+        if (p.D == 64) { item_avx512<T, 4>(p, qp, kp, vp, op, b, g0, g1, buf, offs); continue; }
+        if (p.D == 128) { item_avx512<T, 8>(p, qp, kp, vp, op, b, g0, g1, buf, offs); continue; }
+        if (p.D == 32) { item_avx512<T, 2>(p, qp, kp, vp, op, b, g0, g1, buf, offs); continue; }
       }
 #endif
-      item_scalar<T>(p, qp, kp, vp, op, b, g, buf);
+      for (int64_t g = g0; g < g1; ++g) item_scalar<T>(p, qp, kp, vp, op, b, g, buf);
     }
   });
 }
