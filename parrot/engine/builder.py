@@ -84,8 +84,11 @@ def _assemble(settings: EngineSettings, model, tokenizer, thread: EngineThread) 
     if vnni:
         log.info("engine %s: native %s matmul for up to %d rows in %d of %d linear layers", settings.name,
                  vnni[0].backend, vnni[0].max_rows, len(vnni), len(linears))
+    # the native causal prefill: AVX512-BF16 and whole 32-wide head-dim panels (PagedAttention: bf16 models only)
+    prefill = (native.causal_prefill if native is not None and native.prefill_attention_available()
+               and cfg.head_dim % 32 == 0 else None)
     runner = ModelRunner(model, num_blocks, bs, sampler, shared_prefix_attention=settings.shared_prefix_attention,
-                         decode_kernel=None if native is None else native.paged_decode)
+                         decode_kernel=None if native is None else native.paged_decode, prefill_kernel=prefill)
     scheduler = Scheduler(pool, settings.max_num_seqs, settings.max_batch_tokens)
     engine = LLMEngine(name=settings.name, model_name=model_name, runner=runner, pool=pool, scheduler=scheduler,
                        tokenizer=tokenizer, max_model_len=max_len, thread=thread)

@@ -25,7 +25,7 @@ from parrot.engine.scheduler.scheduler import BatchPlan, Chunk
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, sampler: Sampler, *,
                  shared_prefix_attention: bool = True, min_shared_tokens: int = 32,
-                 decode_kernel: Callable | None = None) -> None:
+                 decode_kernel: Callable | None = None, prefill_kernel: Callable | None = None) -> None:
         cfg = model.config
         self.model = model
         self.sampler = sampler
@@ -42,8 +42,9 @@ class ModelRunner:
         self.shared_prefix_attention = shared_prefix_attention
         self.min_shared_blocks = min_shared_blocks(min_shared_tokens, block_size)
         self.num_shared_prefix_rows = 0  # decode rows served by the shared-prefix path (a metric)
-        # the native paged-decode op (parrot.engine.kernels) or None for the pure-torch path
+        # the native paged-decode and causal-prefill ops (parrot.engine.kernels) or None for the pure-torch path
         self.decode_kernel = decode_kernel
+        self.prefill_kernel = prefill_kernel
 
     @staticmethod
     def kv_bytes_per_block(model_config, block_size: int, elem_size: int) -> int:
@@ -79,7 +80,7 @@ class ModelRunner:
                 row += c.num_tokens
             attn = PagedAttention(
                 self.kv_caches, torch.tensor(slots, dtype=torch.long, device=dev), groups, prefill_meta, self.scale,
-                self.decode_kernel,
+                self.decode_kernel, self.prefill_kernel,
             )
             hidden = self.model(
                 torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev), attn

@@ -30,14 +30,16 @@
 // A chunk with <= 16 rows uses C00 C01 A0 B0 B1 only. Row counts below 16 are set in the tile config (tiles
 // load and store only their configured rows), so x needs no padding.
 //
-// AVX-512 registers per (panel, chunk of up to kMaxRows rows): 2 accumulators per row (columns 0-15 | 16-31),
-// the two weight rows of the current k pair, one broadcast x pair: 2 * 12 + 3 = 27 of the 32 zmm registers.
+// AVX-512 registers per (panel, block of up to 12 rows): 2 accumulators per row (columns 0-15 | 16-31), the two
+// weight rows of the current k pair, one broadcast x pair: 2 * 12 + 3 = 27 of the 32 zmm registers (vnni_block.h).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
+
+#include "vnni_block.h"
 
 #include <algorithm>
 #include <array>
@@ -60,18 +62,9 @@
 namespace {
 
 #if defined(PARROT_AVX512_BF16)
-constexpr int64_t kPrefetch = 4;  // k-steps (2 KB each) ahead
-
-inline void prefetch_step(const c10::BFloat16* b) {
-  const char* c = reinterpret_cast<const char*>(b);
-  for (int i = 0; i < 2048; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
-}
-
-// 32 fp32 (lo: columns 0-15, hi: 16-31) -> 32 bf16 at out, round to nearest even
-inline void store32(c10::BFloat16* out, __m512 lo, __m512 hi) {
-  __m512bh v = _mm512_cvtne2ps_pbh(hi, lo);
-  _mm512_storeu_si512(reinterpret_cast<void*>(out), reinterpret_cast<__m512i&>(v));
-}
+using parrot_kernels::vnni::kPrefetch;
+using parrot_kernels::vnni::prefetch_step;
+using parrot_kernels::vnni::store32;
 #endif
 
 #if defined(PARROT_AMX)
@@ -163,61 +156,10 @@ void amx_panels(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, c10
 #endif
 
 #if defined(PARROT_AVX512_BF16)
-constexpr int kMaxRows = 12;  // rows per register block (see the register count at the top)
-
-// one panel x MR rows: out[0..MR)[0..32) = xa[0..MR) @ panel^T. ``stream``: the panel comes from DRAM (prefetch
-// ahead in it); ``ahead``: a panel to pull into cache meanwhile (this block computes from cache)
-template <int MR>
-void avx512_block(const c10::BFloat16* xa, int64_t ldx, const c10::BFloat16* wp, int64_t KB, c10::BFloat16* out,
-                  int64_t ldo, bool stream, const c10::BFloat16* ahead) {
-  __m512 c0[MR], c1[MR];
-  for (int m = 0; m < MR; ++m) { c0[m] = _mm512_setzero_ps(); c1[m] = _mm512_setzero_ps(); }
-  for (int64_t kb = 0; kb < KB; ++kb) {
-    const c10::BFloat16* b = wp + kb * 1024;
-    if (stream) prefetch_step(b + kPrefetch * 1024);
-    if (ahead) prefetch_step(ahead + kb * 1024);
-    const c10::BFloat16* xk = xa + kb * 32;
-#pragma GCC unroll 16
-    for (int r = 0; r < 16; ++r) {
-      const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + r * 32));
-      const __m512bh b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + 512 + r * 32));
-#pragma GCC unroll 12
-      for (int m = 0; m < MR; ++m) {
-        int32_t pair;  // (x[m][2r], x[m][2r+1]); rows may start at any element, so no int32 pointer cast
-        std::memcpy(&pair, xk + m * ldx + 2 * r, sizeof pair);
-        const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-        c0[m] = _mm512_dpbf16_ps(c0[m], a, b0);
-        c1[m] = _mm512_dpbf16_ps(c1[m], a, b1);
-      }
-    }
-  }
-  for (int m = 0; m < MR; ++m) store32(out + m * ldo, c0[m], c1[m]);
-}
-
-using Block = void (*)(const c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t, c10::BFloat16*, int64_t, bool,
-                       const c10::BFloat16*);
-
-template <int... R>
-constexpr std::array<Block, sizeof...(R)> blocks(std::integer_sequence<int, R...>) {
-  return {&avx512_block<R + 1>...};
-}
-constexpr auto kBlocks = blocks(std::make_integer_sequence<int, kMaxRows>{});
-
-// panels [p0, p1) of out = x @ W^T with AVX512-BF16; rows split into equal blocks of <= kMaxRows
+// panels [p0, p1) of out = x @ W^T with AVX512-BF16 (the register blocks: vnni_block.h)
 void avx512_panels(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, c10::BFloat16* out, int64_t M,
                    int64_t N, int64_t K, int64_t p0, int64_t p1) {
-  const int64_t KB = K / 32;
-  const int64_t nblocks = (M + kMaxRows - 1) / kMaxRows, rows = (M + nblocks - 1) / nblocks;
-  for (int64_t p = p0; p < p1; ++p) {
-    const c10::BFloat16* wp = w + p * KB * 1024;
-    const c10::BFloat16* next = p + 1 < p1 ? wp + KB * 1024 : nullptr;
-    for (int64_t m = 0; m < M; m += rows) {
-      const int64_t mr = std::min(rows, M - m);
-      // as in the AMX kernel: the first block streams the panel, the last of several prefetches the next one
-      const c10::BFloat16* ahead = m > 0 && m + mr >= M ? next : nullptr;
-      kBlocks[mr - 1](x + m * ldx, ldx, wp, KB, out + m * N + p * 32, N, m == 0, ahead);
-    }
-  }
+  parrot_kernels::vnni::panels<c10::BFloat16>(x, ldx, w, (K / 32) * 1024, K / 32, out, N, M, p0, p1);
 }
 #endif
 

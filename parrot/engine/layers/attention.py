@@ -22,8 +22,9 @@ Every layer first writes the new K/V of all T tokens into their slots (one index
         out = out_prefix * exp(lse_prefix - lse) + out_suffix * exp(lse_suffix - lse)
 
     Several groups (different prefixes) per batch are fine;
-  * prefill chunks: one SDPA each; a chunk that starts at 0 attends over its own fresh K/V (causal), a later
-    chunk gathers its context's blocks and uses an explicit causal mask offset by the chunk start.
+  * prefill chunks: a chunk that starts at 0 attends over its own fresh K/V (causal): the native
+    ``causal_prefill`` op in bf16 where the CPU has AVX512-BF16 (kernels/prefill_attention.cpp), else one SDPA;
+    a later chunk gathers its context's blocks and runs SDPA with an explicit causal mask offset by its start.
 """
 
 from __future__ import annotations
@@ -125,9 +126,11 @@ class PagedAttention:
         prefills: list[PrefillMeta],
         scale: float,
         decode_kernel: Callable | None = None,
+        prefill_kernel: Callable | None = None,
     ) -> None:
         self.kv_caches = kv_caches
         self.decode_kernel = decode_kernel
+        self.prefill_kernel = prefill_kernel  # bf16 only
         self.slots = slots
         self.decode_groups = decode_groups
         self.prefills = prefills
@@ -155,7 +158,11 @@ class PagedAttention:
             else:
                 outs.append(self._shared_prefix(g, qg, k_cache, v_cache))
         for p in self.prefills:
-            qp = q[p.row0 : p.row0 + p.num_tokens].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
+            rows = slice(p.row0, p.row0 + p.num_tokens)
+            if p.start == 0 and self.prefill_kernel is not None and q.dtype == torch.bfloat16:
+                outs.append(self.prefill_kernel(q[rows], k[rows], v[rows], self.scale))
+                continue
+            qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
             if p.start == 0:
                 kp = k[p.row0 : p.row0 + p.num_tokens].transpose(0, 1).unsqueeze(0)
                 vp = v[p.row0 : p.row0 + p.num_tokens].transpose(0, 1).unsqueeze(0)

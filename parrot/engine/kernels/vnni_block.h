@@ -1,0 +1,96 @@
+// The AVX512-BF16 register block of the VNNI GEMM, shared by vnni_gemm.cpp (decode matmuls) and
+// prefill_attention.cpp (Q K^T and P V on packed K / V^T). Weight layout: vnni_gemm.cpp's comment.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+namespace parrot_kernels::vnni {
+
+constexpr int64_t kPrefetch = 4;  // k-steps (2 KB each) ahead
+constexpr int kMaxRows = 12;      // rows per register block: 2 accumulators per row + 2 weight rows + 1 x pair
+
+inline void prefetch_step(const c10::BFloat16* b) {
+  const char* c = reinterpret_cast<const char*>(b);
+  for (int i = 0; i < 2048; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+}
+
+// 32 fp32 (lo: columns 0-15, hi: 16-31) -> 32 outputs at out (bf16: round to nearest even)
+inline void store32(c10::BFloat16* out, __m512 lo, __m512 hi) {
+  __m512bh v = _mm512_cvtne2ps_pbh(hi, lo);
+  _mm512_storeu_si512(reinterpret_cast<void*>(out), reinterpret_cast<__m512i&>(v));
+}
+inline void store32(float* out, __m512 lo, __m512 hi) {
+  _mm512_storeu_ps(out, lo);
+  _mm512_storeu_ps(out + 16, hi);
+}
+
+// one panel (32 output columns) x MR rows: out[m][0..32) = xa[m][0..32 KB) . panel^T over its first KB k-steps.
+// ``stream``: the panel comes from DRAM (prefetch ahead in it); ``ahead``: a panel to pull into cache meanwhile
+// (this block computes from cache)
+template <int MR, typename Out>
+void block(const c10::BFloat16* xa, int64_t ldx, const c10::BFloat16* wp, int64_t KB, Out* out, int64_t ldo,
+           bool stream, const c10::BFloat16* ahead) {
+  __m512 c0[MR], c1[MR];
+  for (int m = 0; m < MR; ++m) { c0[m] = _mm512_setzero_ps(); c1[m] = _mm512_setzero_ps(); }
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    const c10::BFloat16* b = wp + kb * 1024;
+    if (stream) prefetch_step(b + kPrefetch * 1024);
+    if (ahead) prefetch_step(ahead + kb * 1024);
+    const c10::BFloat16* xk = xa + kb * 32;
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) {
+      const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + r * 32));
+      const __m512bh b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + 512 + r * 32));
+#pragma GCC unroll 12
+      for (int m = 0; m < MR; ++m) {
+        int32_t pair;  // (x[m][2r], x[m][2r+1]); rows may start at any element, so no int32 pointer cast
+        std::memcpy(&pair, xk + m * ldx + 2 * r, sizeof pair);
+        const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+        c0[m] = _mm512_dpbf16_ps(c0[m], a, b0);
+        c1[m] = _mm512_dpbf16_ps(c1[m], a, b1);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) store32(out + m * ldo, c0[m], c1[m]);
+}
+
+template <typename Out>
+using Block = void (*)(const c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t, Out*, int64_t, bool,
+                       const c10::BFloat16*);
+
+template <typename Out, int... R>
+constexpr std::array<Block<Out>, sizeof...(R)> make_blocks(std::integer_sequence<int, R...>) {
+  return {&block<R + 1, Out>...};
+}
+// blocks<Out>[mr - 1] runs mr rows, 1 <= mr <= kMaxRows
+template <typename Out>
+inline constexpr auto blocks = make_blocks<Out>(std::make_integer_sequence<int, kMaxRows>{});
+
+// rows [0, M) x panels [p0, p1) of out = x @ W^T, panel p's weights at w + p * panel_stride, its first KB k-steps
+// used; rows split into equal blocks of <= kMaxRows. The first block of a panel streams it from DRAM, the last of
+// several prefetches the next panel while it computes from cache.
+template <typename Out>
+void panels(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, int64_t panel_stride, int64_t KB, Out* out,
+            int64_t ldo, int64_t M, int64_t p0, int64_t p1) {
+  const int64_t nblocks = (M + kMaxRows - 1) / kMaxRows, rows = (M + nblocks - 1) / nblocks;
+  for (int64_t p = p0; p < p1; ++p) {
+    const c10::BFloat16* wp = w + p * panel_stride;
+    const c10::BFloat16* next = p + 1 < p1 ? wp + panel_stride : nullptr;
+    for (int64_t m = 0; m < M; m += rows) {
+      const int64_t mr = std::min(rows, M - m);
+      const c10::BFloat16* ahead = m > 0 && m + mr >= M ? next : nullptr;
+      blocks<Out>[mr - 1](x + m * ldx, ldx, wp, KB, out + m * ldo + p * 32, ldo, m == 0, ahead);
+    }
+  }
+}
+
+}  // namespace parrot_kernels::vnni
+#endif
