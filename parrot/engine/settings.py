@@ -43,7 +43,8 @@ class EngineSettings(BaseSettings):
     attention_kernel: Literal["auto", "native", "torch"] = Field(
         "auto",
         description="native CPU kernels: native = the C++ library (paged-decode attention reading KV blocks in "
-        "place, fused norm / SwiGLU ops, the AMX matmul for 2-32 rows; built by `python -m parrot.engine.kernels`, "
+        "place, causal prefill attention, fused norm / SwiGLU ops, the AMX / AVX512-BF16 matmul for decode-sized "
+        "batches; built by `python -m parrot.engine.kernels`, "
         "error if unavailable), torch = pure torch (gather + SDPA, torch norms, oneDNN matmuls), auto = native on "
         "the CPU when built, else torch",
     )
