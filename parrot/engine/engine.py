@@ -2,9 +2,9 @@
 
 Callers (any thread) get ``concurrent.futures`` futures; their commands go through a queue to the engine
 thread, the only writer of the core's state. The same thread (:class:`EngineThread`) built the model, so all of
-the engine's torch work runs on one thread (why: its docstring). Each loop turn: apply commands -> schedule -> run one forward
-(ModelRunner) -> apply results -> finish ops (results leave through callbacks, which resolve futures / stream
-queues thread-safely). The op lifecycle and step logic are :class:`~parrot.engine.core.EngineCore`'s.
+the engine's torch work runs on one thread (why: its docstring). Each loop turn: apply commands -> schedule ->
+run one forward (ModelRunner) -> apply results -> finish ops (results leave through callbacks, which resolve
+futures / stream queues thread-safely). The op lifecycle and step logic are :class:`~parrot.engine.core.EngineCore`'s.
 """
 
 from __future__ import annotations
