@@ -21,6 +21,10 @@ inline void prefetch_step(const c10::BFloat16* b) {
   const char* c = reinterpret_cast<const char*>(b);
   for (int i = 0; i < 2048; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
 }
+inline void prefetch_step_l2(const c10::BFloat16* b) {
+  const char* c = reinterpret_cast<const char*>(b);
+  for (int i = 0; i < 2048; i += 64) _mm_prefetch(c + i, _MM_HINT_T1);
+}
 
 // 32 fp32 (lo: columns 0-15, hi: 16-31) -> 32 outputs at out (bf16: round to nearest even)
 inline void store32(c10::BFloat16* out, __m512 lo, __m512 hi) {
@@ -43,7 +47,7 @@ void block(const c10::BFloat16* xa, int64_t ldx, const c10::BFloat16* wp, int64_
   for (int64_t kb = 0; kb < KB; ++kb) {
     const c10::BFloat16* b = wp + kb * 1024;
     if (stream) prefetch_step(b + kPrefetch * 1024);
-    if (ahead) prefetch_step(ahead + kb * 1024);
+    if (ahead) prefetch_step_l2(ahead + kb * 1024);
     const c10::BFloat16* xk = xa + kb * 32;
 #pragma GCC unroll 16
     for (int r = 0; r < 16; ++r) {
