@@ -38,7 +38,9 @@ inline void store32(float* out, __m512 lo, __m512 hi) {
 
 // one panel (32 output columns) x MR rows: out[m][0..32) = xa[m][0..32 KB) . panel^T over its first KB k-steps.
 // ``stream``: the panel comes from DRAM (prefetch ahead in it); ``ahead``: a panel to pull into cache meanwhile
-// (this block computes from cache)
+// (this block computes from cache). Both prefetch into L2, not L1: the panel being read (~36 KB) already fills
+// L1, and L1 prefetches evicted it (Zen 4, 30 decoder layers' matmuls at 16 rows: 13.4 -> 10.7 ms; 8 rows
+// 11.1 -> 6.5 ms; 64 rows within noise)
 template <int MR, typename Out>
 void block(const c10::BFloat16* xa, int64_t ldx, const c10::BFloat16* wp, int64_t KB, Out* out, int64_t ldo,
            bool stream, const c10::BFloat16* ahead) {
@@ -46,7 +48,7 @@ void block(const c10::BFloat16* xa, int64_t ldx, const c10::BFloat16* wp, int64_
   for (int m = 0; m < MR; ++m) { c0[m] = _mm512_setzero_ps(); c1[m] = _mm512_setzero_ps(); }
   for (int64_t kb = 0; kb < KB; ++kb) {
     const c10::BFloat16* b = wp + kb * 1024;
-    if (stream) prefetch_step(b + kPrefetch * 1024);
+    if (stream) prefetch_step_l2(b + kPrefetch * 1024);
     if (ahead) prefetch_step_l2(ahead + kb * 1024);
     const c10::BFloat16* xk = xa + kb * 32;
 #pragma GCC unroll 16
