@@ -70,10 +70,10 @@ class EngineThread:
 class LLMEngine(EngineCore):
     def __init__(
         self, *, name: str, model_name: str, runner: StepRunner, pool: BlockPool, scheduler: Scheduler,
-        tokenizer, max_model_len: int, thread: EngineThread | None = None,
+        tokenizer, max_model_len: int, thread: EngineThread,
     ) -> None:
-        """``runner`` is the torch :class:`~parrot.engine.runner.ModelRunner` (built by the engine builder, on
-        ``thread``, which then runs the loop; without one the engine starts its own)."""
+        """``runner`` is the torch :class:`~parrot.engine.runner.ModelRunner`, built by the engine builder on
+        ``thread``, which then runs the loop."""
         super().__init__(name=name, model_name=model_name, runner=runner, pool=pool, scheduler=scheduler,
                          tokenizer=tokenizer, max_model_len=max_model_len, clock=time.monotonic,
                          cached_status=True)
@@ -84,9 +84,7 @@ class LLMEngine(EngineCore):
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
-        if self._running is None:
-            if self._thread is None:
-                self._thread = EngineThread(f"parrot-engine-{self.name}")
+        if self._running is None and self._thread is not None:
             self._running = self._thread.submit(self._loop)
 
     def shutdown(self) -> None:

@@ -2,12 +2,29 @@
 // prefill_attention.cpp (Q K^T and P V on packed K / V^T). Weight layout: vnni_gemm.cpp's comment.
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 
 #include <array>
 #include <cstdint>
 #include <cstring>
 #include <utility>
+
+namespace parrot_kernels::vnni {
+
+// a bf16 [N, K] weight (N, K multiples of 32; any strides) in the packed layout [N/32, K/32, 2, 16, 16, 2]:
+// [N, K] -> [n, j, c, kb, r, i] -> [n, kb, j, r, c, i]
+inline at::Tensor pack(const at::Tensor& w) {
+  const int64_t N = w.size(0), K = w.size(1);
+  return w.contiguous().view({N / 32, 2, 16, K / 32, 16, 2}).permute({0, 3, 1, 4, 2, 5}).contiguous();
+}
+
+// where W[n][k] of a weight with KB = K / 32 k-steps lands in that layout (for packing element by element)
+inline int64_t packed_index(int64_t n, int64_t k, int64_t KB) {
+  return ((((n / 32) * KB + k / 32) * 2 + (n % 32) / 16) * 16 + (k % 32) / 2) * 32 + (n % 16) * 2 + k % 2;
+}
+
+}  // namespace parrot_kernels::vnni
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>

@@ -42,11 +42,9 @@
 #include "vnni_block.h"
 
 #include <algorithm>
-#include <array>
 #include <cstdint>
 #include <cstring>
 #include <string>
-#include <utility>
 #include <vector>
 
 #if defined(__AVX512BF16__)
@@ -179,12 +177,11 @@ at::Tensor vnni_pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "vnni_pack: a 2-D bfloat16 weight");
   const int64_t N = w.size(0), K = w.size(1);
   TORCH_CHECK(N % 32 == 0 && K % 32 == 0, "vnni_pack: N and K must be multiples of 32, got ", N, " x ", K);
-  // [N, K] -> [n, j, c, kb, r, i] -> [n, kb, j, r, c, i]
-  return w.contiguous().view({N / 32, 2, 16, K / 32, 16, 2}).permute({0, 3, 1, 4, 2, 5}).contiguous();
+  return parrot_kernels::vnni::pack(w);
 }
 
 at::Tensor vnni_linear(const at::Tensor& x, const at::Tensor& packed, c10::string_view backend) {
-  const std::vector<std::string> have = vnni_backends();
+  static const std::vector<std::string> have = vnni_backends();  // once: not per call
   TORCH_CHECK(std::find(have.begin(), have.end(), std::string(backend)) != have.end(), "vnni_linear: backend '",
               backend, "' is not available on this CPU/OS/build");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
