@@ -34,10 +34,12 @@ def dense_reference(q, kc, vc, tables, lens, scale):
 
 
 @pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 64), (torch.bfloat16, 64), (torch.float32, 128),
-                                            (torch.bfloat16, 16), (torch.float32, 24)])
+                                            (torch.bfloat16, 128), (torch.bfloat16, 32), (torch.bfloat16, 16),
+                                            (torch.float32, 24)])
 def test_matches_dense_attention(native_kernel, dtype, head_dim):
-    """Scattered blocks, ragged lengths (1 token, partial last blocks, several blocks), GQA 3:1; D = 64/128 take
-    the AVX-512 path where the CPU has it, D = 16/24 the portable one."""
+    """Scattered blocks, ragged lengths (1 token, odd counts, partial last blocks, several blocks), GQA 3:1;
+    D = 32/64/128 take the AVX-512 path where the CPU has it (bf16: VDPBF16PS scores and the two-tokens-per-
+    instruction P.V pass), D = 16/24 the portable one."""
     rng = random.Random(0)
     torch.manual_seed(0)
     bs, n_kv, G, nb = 16, 3, 3, 80

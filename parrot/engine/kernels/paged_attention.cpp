@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <tuple>
 #include <type_traits>
@@ -131,7 +132,7 @@ inline __m512 reduce16(__m512* v) {
 // conversion), one vector of partial sums per token, and reduce16 turns 16 such vectors into 16 scores.
 // With several KV heads per call the token rows are read whole (all heads side by side), one forward sweep.
 // NB = D / 32 bf16 vectors per head.
-constexpr int64_t kAhead = 64;  // K rows prefetched this many tokens ahead (Zen 4, b16: 32 -> 64 = 6.4 -> 6.1 ms)
+constexpr int64_t kAhead = 128;  // K rows prefetched this many tokens ahead (Zen 4, b16: 32 -> 64 = 6.4 -> 6.1 ms)
 
 template <int NB>
 void scores_bf16(const Problem& p, const c10::BFloat16* qb0, const c10::BFloat16* kc, const c10::BFloat16* vc,
@@ -154,22 +155,105 @@ void scores_bf16(const Problem& p, const c10::BFloat16* qb0, const c10::BFloat16
       prefetch_l2(vc + off[t0 + j] + g0 * D);
       if (t0 + kAhead + j < L) prefetch_l2(kc + off[t0 + kAhead + j] + g0 * D);
     }
+    // a short last chunk repeats its last row: the lanes past n get finite scores in the row's padding, which the
+    // softmax masks; the block stays branch-free (no spills: 16 sums + NB q vectors + 1 K vector in registers)
+    for (int64_t j = n; j < 16; ++j) k[j] = k[n - 1];
     for (int64_t g = g0; g < g1; ++g) {
       for (int64_t h = 0; h < G; ++h) {
         const c10::BFloat16* qh = qb0 + (g * G + h) * p.q_sh;
         __m512bh qv[NB];
         for (int i = 0; i < NB; ++i) qv[i] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(qh + 32 * i));
         __m512 v[16];
-        for (int64_t j = 0; j < 16; ++j) {
-          v[j] = _mm512_setzero_ps();
-          if (j < n)
-            for (int i = 0; i < NB; ++i)
-              v[j] = _mm512_dpbf16_ps(v[j], qv[i],
-                                      reinterpret_cast<__m512bh>(_mm512_loadu_si512(k[j] + g * D + 32 * i)));
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) {
+          const c10::BFloat16* kj = k[j] + g * D;
+          v[j] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], reinterpret_cast<__m512bh>(_mm512_loadu_si512(kj)));
+          for (int i = 1; i < NB; ++i)
+            v[j] = _mm512_dpbf16_ps(v[j], qv[i], reinterpret_cast<__m512bh>(_mm512_loadu_si512(kj + 32 * i)));
         }
-        // lanes >= n sum to 0 and land in the row's padding
         _mm512_storeu_ps(s + ((g - g0) * G + h) * Lp + t0, _mm512_mul_ps(reduce16(v), sc));
       }
+    }
+  }
+}
+
+// softmax weights of one head for the bf16 pass 2: w[t] = bf16(e^(s[t] - max)) for t < L, 0 up to Lp (a multiple
+// of 16). Returns the lse (from the fp32 exponentials) and 1 / the sum of the ROUNDED weights, so the weights
+// the pass multiplies with sum to exactly 1 after that scaling.
+struct Weights {
+  float lse, inv_sum;
+};
+inline Weights softmax_bf16(const float* sh, int64_t L, int64_t Lp, c10::BFloat16* w) {
+  const __mmask16 tail = static_cast<__mmask16>((1u << (L & 15)) - 1);
+  __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < L; t += 16) {
+    const __mmask16 mk = (L - t >= 16) ? __mmask16(0xFFFF) : tail;
+    mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, sh + t));
+  }
+  const float m = _mm512_reduce_max_ps(mv);
+  const __m512 mm = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps(), sum_rounded = _mm512_setzero_ps();
+  for (int64_t t = 0; t < Lp; t += 16) {
+    const __mmask16 mk = (L - t >= 16) ? __mmask16(0xFFFF) : tail;
+    const __m512 e = _mm512_maskz_mov_ps(mk, exp_scores(_mm512_sub_ps(_mm512_loadu_ps(sh + t), mm)));
+    const __m256i eb = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + t), eb);
+    sum = _mm512_add_ps(sum, e);
+    sum_rounded = _mm512_add_ps(sum_rounded, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(eb), 16)));
+  }
+  return {m + std::log(_mm512_reduce_add_ps(sum)), 1.0f / _mm512_reduce_add_ps(sum_rounded)};
+}
+
+// pass 2 on bf16 V: out_h = inv_h * sum_t w[h][t] v_t for the G query heads of KV head g, two tokens per
+// VDPBF16PS. The rows v_t, v_t+1 interleaved 16-bit-wise (unpacklo/hi_epi16, which work per 128-bit lane) hold
+// the pairs (v_t[d], v_t+1[d]) that meet the broadcast pair (w[h][t], w[h][t+1]); per 32-wide slice i of the row:
+//
+//     lo[i] lane 4k + j  <-  d = 32 i + 8 k + j          hi[i] lane 4k + j  <-  d = 32 i + 8 k + 4 + j
+//
+// (k = 128-bit lane, j < 4), put back in d order by one two-source permute per 16 outputs at the end.
+// Half the instructions of an fp32 FMA per token and head; the weights carry bf16 precision (8 bits), the
+// accumulation stays fp32. An odd last token pairs with a zero row (its partner weight is the padding's 0).
+template <int NB>
+void pv_bf16(const c10::BFloat16* vc, const int64_t* off, int64_t L, int64_t gD, const c10::BFloat16* w,
+             int64_t Lp, int64_t G, const float* inv, c10::BFloat16* out) {
+  constexpr int64_t D = 32 * NB;
+  __m512 acc[kMaxG][2 * NB];
+  for (int64_t h = 0; h < G; ++h)
+    for (int i = 0; i < 2 * NB; ++i) acc[h][i] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < L; t += 2) {
+    if (t + 17 < L) {  // L2 -> L1, 16 tokens ahead (the rows were pulled into L2 during pass 1)
+      prefetch_rows<c10::BFloat16, D>(vc + off[t + 16] + gD, 0, 1);
+      prefetch_rows<c10::BFloat16, D>(vc + off[t + 17] + gD, 0, 1);
+    }
+    const c10::BFloat16* va = vc + off[t] + gD;
+    const c10::BFloat16* vb = t + 1 < L ? vc + off[t + 1] + gD : nullptr;
+    __m512i lo[NB], hi[NB];
+    for (int i = 0; i < NB; ++i) {
+      const __m512i a = _mm512_loadu_si512(va + 32 * i);
+      const __m512i b = vb ? _mm512_loadu_si512(vb + 32 * i) : _mm512_setzero_si512();
+      lo[i] = _mm512_unpacklo_epi16(a, b);
+      hi[i] = _mm512_unpackhi_epi16(a, b);
+    }
+    for (int64_t h = 0; h < G; ++h) {
+      int32_t pair;
+      std::memcpy(&pair, w + h * Lp + t, sizeof pair);
+      const __m512bh wv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+      for (int i = 0; i < NB; ++i) {
+        acc[h][2 * i] = _mm512_dpbf16_ps(acc[h][2 * i], reinterpret_cast<__m512bh>(lo[i]), wv);
+        acc[h][2 * i + 1] = _mm512_dpbf16_ps(acc[h][2 * i + 1], reinterpret_cast<__m512bh>(hi[i]), wv);
+      }
+    }
+  }
+  // output d = 8 k + 4 s + j (s: 0 = lo, 1 = hi) of a slice comes from lane 4 k + j of lo / hi; index 16 + x of
+  // the two-source permute names hi's lane x
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t h = 0; h < G; ++h) {
+    const __m512 sc = _mm512_set1_ps(inv[h]);
+    for (int i = 0; i < NB; ++i) {
+      const __m512 x = acc[h][2 * i], y = acc[h][2 * i + 1];
+      store16(out + h * D + 32 * i, _mm512_mul_ps(_mm512_permutex2var_ps(x, first, y), sc));
+      store16(out + h * D + 32 * i + 16, _mm512_mul_ps(_mm512_permutex2var_ps(x, second, y), sc));
     }
   }
 }
@@ -178,7 +262,8 @@ void scores_bf16(const Problem& p, const c10::BFloat16* qb0, const c10::BFloat16
 // sequence b, KV heads [g0, g1): every query head of those KV heads
 template <typename T, int NV>
 void item_avx512(const Problem& p, const T* q, const T* kc, const T* vc, T* out, int64_t b, int64_t g0,
-                 int64_t g1, std::vector<float>& buf, std::vector<int64_t>& offs) {
+                 int64_t g1, std::vector<float>& buf, std::vector<int64_t>& offs,
+                 std::vector<c10::BFloat16>& wbuf) {
   const int64_t L = p.lens[b], G = p.G, BS = p.BS, row = p.KVH * p.D;
   constexpr int64_t D = 16 * NV;
   const int32_t* table = p.tables + b * p.MAXB;
@@ -224,6 +309,23 @@ void item_avx512(const Problem& p, const T* q, const T* kc, const T* vc, T* out,
       }
     }
   }
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && NV % 2 == 0) {
+    // softmax into bf16 weights, then the pair-wise pass 2 (pv_bf16)
+    wbuf.resize(G * Lp);
+    float inv[kMaxG];
+    for (int64_t g = g0; g < g1; ++g) {
+      const float* s = buf.data() + (g - g0) * G * Lp;
+      for (int64_t h = 0; h < G; ++h) {
+        const Weights wt = softmax_bf16(s + h * Lp, L, Lp, wbuf.data() + h * Lp);
+        inv[h] = wt.inv_sum;
+        if (p.lse) p.lse[b * p.H + g * G + h] = wt.lse;
+      }
+      pv_bf16<NV / 2>(vc, offs.data(), L, g * D, wbuf.data(), Lp, G, inv, out + (b * p.H + g * G) * D);
+    }
+    return;
+  }
+#endif
   const __mmask16 tail = static_cast<__mmask16>((1u << (L & 15)) - 1);
   for (int64_t g = g0; g < g1; ++g) {
     float* s = buf.data() + (g - g0) * G * Lp;
@@ -283,13 +385,14 @@ void run(const Problem& p, const at::Tensor& q, const at::Tensor& kc, const at::
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
     std::vector<int64_t> offs;
+    std::vector<c10::BFloat16> wbuf;  // bf16 softmax weights (pv_bf16)
     for (int64_t it = begin; it < end; ++it) {
       const int64_t b = it / (p.KVH / per), g0 = it % (p.KVH / per) * per, g1 = g0 + per;
 #if defined(__AVX512F__)
       if (p.G <= kMaxG) {
-        if (p.D == 64) { item_avx512<T, 4>(p, qp, kp, vp, op, b, g0, g1, buf, offs); continue; }
-        if (p.D == 128) { item_avx512<T, 8>(p, qp, kp, vp, op, b, g0, g1, buf, offs); continue; }
-        if (p.D == 32) { item_avx512<T, 2>(p, qp, kp, vp, op, b, g0, g1, buf, offs); continue; }
+        if (p.D == 64) { item_avx512<T, 4>(p, qp, kp, vp, op, b, g0, g1, buf, offs, wbuf); continue; }
+        if (p.D == 128) { item_avx512<T, 8>(p, qp, kp, vp, op, b, g0, g1, buf, offs, wbuf); continue; }
+        if (p.D == 32) { item_avx512<T, 2>(p, qp, kp, vp, op, b, g0, g1, buf, offs, wbuf); continue; }
       }
 #endif
       for (int64_t g = g0; g < g1; ++g) item_scalar<T>(p, qp, kp, vp, op, b, g, buf);
