@@ -90,16 +90,20 @@ class OursRunner(Runner):
         return secs
 
     def decode_weight_bytes(self) -> int:
-        """Per FastLinear: its quantized weight + scales when it has one (a one-row decode step runs the
-        weight-only kernel), else its dense weight."""
+        """Per FastLinear: the quantized weight a one-row decode step streams when it has one (the native int4
+        form, codes and scales in one tensor, or torch's int4 / int8 weight + scales), else its dense weight."""
         from parrot.engine.layers.linear import FastLinear
 
         total = 0
         for mod in self.engine.runner.model.modules():
             if isinstance(mod, FastLinear):
-                q = getattr(mod, "qweight", None)
                 dense = mod.out_features * mod.in_features * mod.dtype.itemsize  # dense or packed, same bytes
-                total += dense if q is None else q.nbytes + mod.scales.nbytes
+                if mod.int4 is not None:
+                    total += mod.int4_weight.nbytes
+                elif mod.qweight is not None:
+                    total += mod.qweight.nbytes + mod.scales.nbytes
+                else:
+                    total += dense
         return total
 
     def info(self) -> dict:

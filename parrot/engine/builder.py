@@ -80,10 +80,16 @@ def _assemble(settings: EngineSettings, model, tokenizer, thread: EngineThread) 
     if model.use_fused_ops(native):  # None (or a float32 model) keeps / restores the torch path
         log.info("engine %s: native fused norm / SwiGLU ops in use", settings.name)
     linears = [m for m in model.modules() if isinstance(m, FastLinear)]
-    vnni = [m.vnni for m in linears if m.use_vnni(native is not None)]
+    for m in linears:
+        m.use_native(native is not None)
+    vnni = [m.vnni for m in linears if m.vnni is not None]
     if vnni:
         log.info("engine %s: native %s matmul for up to %d rows in %d of %d linear layers", settings.name,
                  vnni[0].backend, vnni[0].max_rows, len(vnni), len(linears))
+    int4 = [m.int4 for m in linears if m.int4 is not None]
+    if int4:
+        log.info("engine %s: native int4 matmul for up to %d rows in %d of %d linear layers", settings.name,
+                 int4[0].max_rows, len(int4), len(linears))
     # the native causal prefill: AVX512-BF16 and whole 32-wide head-dim panels (PagedAttention: bf16 models only)
     prefill = (native.causal_prefill if native is not None and native.prefill_attention_available()
                and cfg.head_dim % 32 == 0 else None)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from parrot.engine.layers.int4 import INT4_GROUP, quantize_int4
+from parrot.engine.layers.int4 import INT4_GROUP, NativeInt4, native_int4, quantize_int4
 from parrot.engine.layers.packed import (DECODE_PACK_MAX_ROWS, DECODE_PACK_ROWS, PREFILL_PACK_ROWS, VnniKernel,
                                          pack_weight, packed_linear, vnni_kernel, vnni_packable)
 
@@ -70,7 +70,8 @@ def quantize_int8(weight: Tensor, scale_dtype: torch.dtype) -> tuple[Tensor, Ten
 class FastLinear(nn.Module):
     """``y = x @ W.T`` for 2-D ``x`` [rows, in_features]; no bias. Three kernels, picked per call by row count:
 
-        rows <= quant_max_rows          quantized weight-only kernel (bandwidth-bound decode of a few rows)
+        rows <= quant_max_rows          quantized weight-only kernel (bandwidth-bound decode of a few rows;
+                                        int4: the native kernel where it runs, else torch's)
         rows <= vnni.max_rows           the native VNNI kernel's packed bf16 weight    (``pack=True``, AMX or
                                                                                         AVX512-BF16)
         rows <= DECODE_PACK_MAX_ROWS    bf16 weight packed for DECODE_PACK_ROWS rows   (``pack=True``, no VNNI)
@@ -80,7 +81,9 @@ class FastLinear(nn.Module):
     Buffers: ``weight`` (dense, compute dtype; dropped when packed -- ``dense_weight()`` unpacks on demand),
     ``qweight`` and ``scales`` for a quantized layer (int8: [N] per-row scales; int4: [K/32, N, 2] group scales
     and zeros, see layers/int4.py). The oneDNN packed weights are opaque mkldnn tensors kept as plain attributes;
-    ``vnni_weight`` is the native kernel's layout (kernels/vnni_gemm.cpp) and replaces the oneDNN decode pack."""
+    ``vnni_weight`` is the native kernel's layout (kernels/vnni_gemm.cpp) and replaces the oneDNN decode pack;
+    ``int4_weight`` the native int4 kernel's (kernels/int4_gemm.cpp, codes + fp16 scales in one stream), kept
+    beside torch's int4 form so :meth:`use_native` can switch either native kernel off."""
 
     weight: Tensor | None
     qweight: Tensor | None
@@ -95,14 +98,14 @@ class FastLinear(nn.Module):
             raise ValueError(f"FastLinear weight must be 2-D, got shape {tuple(weight.shape)}")
         self.out_features, self.in_features = weight.shape
         self.quant = quant
-        if quant == "none":
-            self.quant_max_rows = None
-        elif quant_max_rows is None:
-            self.quant_max_rows = (INT4_MAX_ROWS_PACKED if pack else INT4_MAX_ROWS) if quant == "int4" \
-                else INT8_MAX_ROWS
-        else:
-            self.quant_max_rows = quant_max_rows
         dense = weight.to(dtype).contiguous()
+        native4 = native_int4() if quant == "int4" and dtype == torch.bfloat16 and NativeInt4.packable(weight) \
+            else None
+        self.int4_native_for: NativeInt4 | None = native4
+        self.int4 = native4  # None while use_native(False)
+        self.int4_weight = native4.pack(weight) if native4 is not None else None
+        self._quant_max_rows = quant_max_rows
+        self.quant_max_rows = self._rows_limit(pack)
         self.dtype = dense.dtype
         # the machine's fastest native backend, if any and the shape fits; ``vnni`` is None while use_vnni(False)
         kernel = vnni_kernel() if pack and vnni_packable(dense) else None
@@ -122,10 +125,28 @@ class FastLinear(nn.Module):
             qweight = scales = None
         self.register_buffer("qweight", None if qweight is None else qweight.to(weight.device))
         self.register_buffer("scales", None if scales is None else scales.to(weight.device))
+        self._pack = pack
+
+    def _rows_limit(self, pack: bool) -> int | None:
+        """Rows up to which the quantized kernel runs: the caller's choice, else measured per kernel."""
+        if self.quant == "none":
+            return None
+        if self._quant_max_rows is not None:
+            if self.int4 is not None and self._quant_max_rows > self.int4.max_rows:
+                raise ValueError(f"quant_max_rows={self._quant_max_rows} exceeds the native int4 kernel's "
+                                 f"{self.int4.max_rows} rows")
+            return self._quant_max_rows
+        if self.quant == "int8":
+            return INT8_MAX_ROWS
+        if self.int4 is not None:
+            return self.int4.max_rows
+        return INT4_MAX_ROWS_PACKED if pack else INT4_MAX_ROWS
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.shape[0]
         if self.qweight is not None and rows <= self.quant_max_rows:
+            if self.int4 is not None:
+                return self.int4.linear(x, self.int4_weight)
             if self.quant == "int4":
                 return torch._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP, self.scales)
             if x.dtype == self.int8_dtype:
@@ -138,11 +159,14 @@ class FastLinear(nn.Module):
             return packed_linear(x, self.packed_decode if small else self.packed_prefill)
         return F.linear(x, self.weight)
 
-    def use_vnni(self, enabled: bool) -> bool:
-        """Switch the native kernel off (the oneDNN prefill pack then runs every packed call) or back on when this
-        layer has its weight. Returns whether it is on."""
+    def use_native(self, enabled: bool) -> bool:
+        """Switch the native kernels off (the VNNI GEMM: the oneDNN prefill pack then runs every packed call; the
+        int4 GEMM: torch's int4 kernel, up to its own row limit) or back on where this layer has their weights.
+        Returns whether one of them is on."""
         self.vnni = self.vnni_packed_for if enabled else None
-        return self.vnni is not None
+        self.int4 = self.int4_native_for if enabled else None
+        self.quant_max_rows = self._rows_limit(self._pack)
+        return self.vnni is not None or self.int4 is not None
 
     def dense_weight(self) -> Tensor:
         """The weight as a dense tensor in the compute dtype."""
@@ -151,4 +175,4 @@ class FastLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, quant={self.quant}, "
                 f"quant_max_rows={self.quant_max_rows}, packed={self.packed_prefill is not None}, "
-                f"vnni={self.vnni.backend if self.vnni is not None else None}")
+                f"vnni={self.vnni.backend if self.vnni is not None else None}, native_int4={self.int4 is not None}")
