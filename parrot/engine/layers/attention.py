@@ -115,6 +115,18 @@ class PrefillMeta:
     mask: torch.Tensor | None  # bool [num_tokens, start + num_tokens] when start > 0
 
 
+@dataclass(frozen=True)
+class PlainDecode:
+    """An iteration of decode rows only, all in one plain group for the native paged-decode kernel: what the
+    fused decode-layer op (kernels/decode_layer.cpp) needs to write each layer's new K/V and attend."""
+
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    slots: torch.Tensor  # long [T]
+    table: torch.Tensor  # int32 [T, max_blocks]
+    lens: torch.Tensor  # int32 [T]
+    scale: float
+
+
 class PagedAttention:
     """The model's AttentionBackend for one iteration; reads/writes the runner's KV cache."""
 
@@ -135,6 +147,16 @@ class PagedAttention:
         self.decode_groups = decode_groups
         self.prefills = prefills
         self.scale = scale
+
+    def plain_decode(self) -> PlainDecode | None:
+        """This iteration as a :class:`PlainDecode` when it is one (no prefill chunk, no shared-prefix group,
+        the native kernel present), else None."""
+        if self.prefills or len(self.decode_groups) != 1 or self.decode_kernel is None:
+            return None
+        g = self.decode_groups[0]
+        if g.prefix is not None or g.num_rows != self.slots.numel():
+            return None
+        return PlainDecode(self.kv_caches, self.slots, g.table, g.lens, self.scale)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer_idx]

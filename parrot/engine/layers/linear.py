@@ -159,6 +159,15 @@ class FastLinear(nn.Module):
             return packed_linear(x, self.packed_decode if small else self.packed_prefill)
         return F.linear(x, self.weight)
 
+    def native_weight(self, rows: int) -> Tensor | None:
+        """The packed weight :meth:`forward` hands a native kernel for ``rows`` rows (the int4 or the VNNI form;
+        the dtype tells which), or None when it would run a torch kernel."""
+        if self.qweight is not None and rows <= self.quant_max_rows:
+            return self.int4_weight if self.int4 is not None else None
+        if self.vnni is not None and rows <= self.vnni.max_rows:
+            return self.vnni_weight
+        return None
+
     def use_native(self, enabled: bool) -> bool:
         """Switch the native kernels off (the VNNI GEMM: the oneDNN prefill pack then runs every packed call; the
         int4 GEMM: torch's int4 kernel, up to its own row limit) or back on where this layer has their weights.

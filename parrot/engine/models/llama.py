@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from parrot.engine.config import ModelConfig, read_model_config
+from parrot.engine.layers.attention import PlainDecode
 from parrot.engine.layers.int4 import int4_kernel_available
 from parrot.engine.layers.linear import WEIGHT_QUANTS, FastLinear, int8_compute_dtype, int8_kernel_available
 from parrot.engine.layers.packed import packed_gemm_available
@@ -64,6 +65,8 @@ class FusedOps(Protocol):
 
 
 FUSED_OP_NAMES = ("rms_norm_cast", "add_rms_norm_cast", "silu_mul", "rope")
+# the all-layers op for decode-only batches (kernels/decode_layers.cpp); used when the library has it
+DECODE_LAYERS_OP = "decode_layers"
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -100,6 +103,13 @@ class LlamaDecoderLayer(nn.Module):
         x = ops.add_rms_norm_cast(h, self._attention(x, rot, attn, ops.rope), self.post_norm, self.eps, dtype)
         mlp = self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
         return ops.add_rms_norm_cast(h, mlp, next_norm, self.eps, dtype)
+
+    def native_weights(self, rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+        """The packed weights native kernels run for ``rows`` rows (qkv, o, gate_up, down), or None if any of
+        the four matmuls would run a torch kernel."""
+        weights = tuple(lin.native_weight(rows) for lin in (self.qkv_proj, self.o_proj, self.gate_up_proj,
+                                                             self.down_proj))
+        return None if any(w is None for w in weights) else weights
 
     def _attention(self, x: Tensor, rot: Tensor, attn: AttentionBackend,
                    rope: Callable[[Tensor, Tensor], Tensor] = RotaryEmbedding.apply) -> Tensor:
@@ -152,13 +162,40 @@ class LlamaForCausalLM(nn.Module):
         eps, ops = self.config.rms_norm_eps, self.fused_ops
         if ops is not None:
             x = ops.rms_norm_cast(h, self.layers[0].input_norm, eps, self.dtype)
+            if (done := self._decode_layers(h, x, rot, attn, ops)) is not None:
+                return done
             for i, layer in enumerate(self.layers):
-                nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-                x = layer.forward_fused(h, x, rot, attn, nxt, ops)
+                x = layer.forward_fused(h, x, rot, attn, self._norm_after(i), ops)
             return x
         for layer in self.layers:
             h = layer(h, rot, attn)
         return F.rms_norm(h, (self.config.hidden_size,), self.norm, eps).to(self.dtype)
+
+    def _norm_after(self, i: int) -> Tensor:
+        """The norm applied to layer i's output: layer i + 1's input norm, the final norm after the last."""
+        return self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+
+    def _decode_layers(self, h: Tensor, x: Tensor, rot: Tensor, attn: AttentionBackend, ops: FusedOps) -> Tensor | None:
+        """All layers in one native call (kernels/decode_layers.cpp: the same kernels in the same order as
+        :meth:`LlamaDecoderLayer.forward_fused`) when the batch is decode rows only (``attn.plain_decode()``) and
+        every matmul runs a native kernel at this row count; else None (nothing done)."""
+        if not hasattr(ops, DECODE_LAYERS_OP) or not hasattr(attn, "plain_decode"):
+            return None
+        plain: PlainDecode | None = attn.plain_decode()
+        if plain is None:
+            return None
+        weights = [layer.native_weights(x.shape[0]) for layer in self.layers]
+        if any(w is None for w in weights):
+            return None
+        first = self.layers[0]
+        backend = next((lin.vnni.backend for lin in (first.qkv_proj, first.o_proj, first.gate_up_proj,
+                                                      first.down_proj) if lin.vnni is not None), "")
+        qkv, o, gate_up, down = (list(ws) for ws in zip(*weights))
+        return ops.decode_layers(
+            h, x, rot, qkv, o, gate_up, down, [layer.post_norm for layer in self.layers],
+            [self._norm_after(i) for i in range(len(self.layers))], self.config.rms_norm_eps,
+            [k for k, _ in plain.kv_caches], [v for _, v in plain.kv_caches], plain.slots, plain.table, plain.lens,
+            plain.scale, first.num_heads, backend)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: Tensor) -> Tensor:

@@ -1,0 +1,98 @@
+"""The all-layers decode op (parrot/engine/kernels/decode_layers.cpp) against the per-layer native path: the same
+kernels in the same order, so the hidden states and the written KV caches are bit-identical; and the cases
+where the model must not take it."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from parrot.engine.builder import TINY_RANDOM_CONFIG
+from parrot.engine.layers.attention import DecodeGroup, PagedAttention, PrefillMeta
+from parrot.engine.layers.int4 import NATIVE_INT4_MAX_ROWS
+from parrot.engine.layers.packed import vnni_kernel
+from parrot.engine.models.llama import FUSED_OP_NAMES, build_random_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# head_dim 64 (the AVX-512 attention path), GQA 2:1, every matmul a multiple of 32 (int4 and VNNI packable)
+CONFIG = dataclasses.replace(TINY_RANDOM_CONFIG, vocab_size=512, hidden_size=128, intermediate_size=256,
+                             num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64)
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def ops(native_kernel):
+    ops = torch.ops.parrot_kernels
+    if not hasattr(ops, "decode_layers") or not ops.int4_available():
+        pytest.skip("no AVX512-BF16 here: the native matmuls (and so the all-layers op) do not run")
+    return ops
+
+
+def per_layer_ops(ops) -> SimpleNamespace:
+    """The native fused ops without decode_layers: the model then runs its per-layer path."""
+    return SimpleNamespace(**{name: getattr(ops, name) for name in FUSED_OP_NAMES})
+
+
+def decode_batch(rows: int, seed: int):
+    """``rows`` sequences of ragged lengths over scattered blocks, their caches holding random earlier K/V, and
+    the attention backend for one decode step (each row's new token at its last position)."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    lens = [rng.randrange(1, 70) for _ in range(rows)]
+    free = list(range(1, 8 * rows + 2))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // BS))] for n in lens]
+    width = max(len(t) for t in tables)
+    shape = (8 * rows + 2, BS, CONFIG.num_kv_heads, CONFIG.head_dim)
+    caches = [(torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16()) for _ in range(CONFIG.num_layers)]
+    slots = torch.tensor([t[(n - 1) // BS] * BS + (n - 1) % BS for t, n in zip(tables, lens)])
+    group = DecodeGroup(0, rows, None, 0, torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                                       dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+                        max(lens))
+    ids = torch.tensor([rng.randrange(CONFIG.vocab_size) for _ in range(rows)])
+    return ids, torch.tensor(lens) - 1, caches, slots, group
+
+
+def run(model, ops, rows: int, seed: int, *, prefills: list[PrefillMeta] | None = None):
+    ids, pos, caches, slots, group = decode_batch(rows, seed)
+    model.use_fused_ops(ops)
+    attn = PagedAttention(caches, slots, [group], prefills or [], CONFIG.head_dim ** -0.5,
+                          decode_kernel=torch.ops.parrot_kernels.paged_decode)
+    return model(ids, pos, attn), caches, attn
+
+
+@pytest.mark.parametrize("quant,rows", [("int4", 1), ("int4", 5), ("int4", 8), ("int4", 16), ("none", 1),
+                                        ("none", 16), ("none", 64), ("none", 80)])
+def test_bit_identical_to_the_per_layer_path(ops, quant: str, rows: int) -> None:
+    """int4 layers: the int4 kernel up to 8 rows, the VNNI kernel above; bf16 layers: VNNI up to its row limit
+    (64 with AVX512-BF16, 32 with AMX); above it the model falls back to the per-layer path (same result,
+    trivially)."""
+    model = build_random_model(CONFIG, dtype=torch.bfloat16, weight_quant=quant, seed=3)
+    fused, fused_caches, attn = run(model, ops, rows, seed=rows)
+    assert attn.plain_decode() is not None
+    taken = all(layer.native_weights(rows) is not None for layer in model.layers)
+    limit = max(vnni_kernel().max_rows, NATIVE_INT4_MAX_ROWS if quant == "int4" else 0)
+    assert taken == (rows <= limit)
+    per_layer, per_layer_caches, _ = run(model, per_layer_ops(ops), rows, seed=rows)
+    assert torch.equal(fused, per_layer)
+    for (k1, v1), (k2, v2) in zip(fused_caches, per_layer_caches):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_only_plain_decode_batches_take_it(ops) -> None:
+    """A batch with a prefill chunk or a shared-prefix group, or without the native attention kernel, is not a
+    PlainDecode (the model then runs layer by layer)."""
+    _, _, caches, slots, group = decode_batch(4, seed=1)
+    scale = CONFIG.head_dim ** -0.5
+    kernel = torch.ops.parrot_kernels.paged_decode
+    assert PagedAttention(caches, slots, [group], [], scale, decode_kernel=kernel).plain_decode() is not None
+    assert PagedAttention(caches, slots, [group], [], scale).plain_decode() is None
+    chunk = PrefillMeta(4, 3, 0, None, None)
+    assert PagedAttention(caches, slots, [group], [chunk], scale, decode_kernel=kernel).plain_decode() is None
+    shared = dataclasses.replace(group, prefix=group.suffix, prefix_len=BS)
+    assert PagedAttention(caches, slots, [shared], [], scale, decode_kernel=kernel).plain_decode() is None
