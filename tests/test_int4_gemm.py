@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from parrot.engine.config import read_model_config
-from parrot.engine.layers.int4 import INT4_GROUP, NATIVE_INT4_MAX_ROWS, NativeInt4, native_int4, q4_1_codes
+from parrot.engine.layers.int4 import (INT4_GROUP, NATIVE_INT4_MAX_ROWS, NATIVE_Q8_0_MAX_ROWS, NativeInt4,
+                                       native_int4, q4_1_codes, q8_0_planes)
 from parrot.engine.layers.linear import INT4_MAX_ROWS_PACKED, FastLinear
 from parrot.engine.loader import iter_weights
 
@@ -76,6 +77,34 @@ def test_recovers_the_gguf_q4_1_groups_exactly(default_model_path) -> None:
     pytest.fail("down_proj of layer 0 not found")
 
 
+@pytest.mark.model
+def test_q8_0_planes_hold_the_gguf_head_exactly(int4, default_model_path) -> None:
+    """The default GGUF's token_embd (Q8_0; SmolLM2 ties the output head to it), dequantized by the loader, as
+    two int4 planes: their sum is the very same float32 weight, and the kernel's product matches it."""
+    cfg = read_model_config(default_model_path)
+    w = next(t for name, t in iter_weights(default_model_path, cfg) if name == "model.embed_tokens.weight").float()
+    codes, d, m = q8_0_planes(w)
+    assert codes.shape == (2, *w.shape) and int(codes.max()) <= 15
+    assert torch.equal(dequantize(codes[0], d[0], m[0]) + dequantize(codes[1], d[1], m[1]), w)
+    rows = w[:2048]  # the kernel on a slice (fast)
+    x = torch.randn(2, w.shape[1]).bfloat16()
+    _check(int4.linear(x, int4.pack_q8_0(rows)), x, rows)
+
+
+def test_q8_0_planes_round_like_gguf(int4) -> None:
+    """On arbitrary weights the planes are Q8_0's rounding: max|w| / 127 per group, |error| <= d / 2."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(64, 128, generator=g)
+    w[0, :32] = 0.0  # an all-zero group
+    codes, d, m = q8_0_planes(w)
+    back = dequantize(codes[0], d[0], m[0]) + dequantize(codes[1], d[1], m[1])
+    step = d[1].repeat_interleave(INT4_GROUP, 1)
+    assert ((back - w).abs() <= step / 2 + 1e-7).all()
+    assert torch.equal(back[0, :32], torch.zeros(32))
+    x = torch.randn(1, 128, generator=g).bfloat16()
+    _check(int4.linear(x, int4.pack_q8_0(w)), x, back)
+
+
 def test_rejects_bad_input(int4) -> None:
     ops = int4.ops
     w = torch.randn(32, 64)
@@ -114,3 +143,22 @@ def test_fastlinear_picks_native_int4_then_falls_back(int4) -> None:
     x1 = x[:1]
     torch.testing.assert_close(layer(x1).float(), (x1.double() @ wq.double().T).float(), atol=8e-2, rtol=2e-2)
     assert layer.use_native(True) and layer.int4 is int4
+
+
+def test_fastlinear_q8_0_head(int4) -> None:
+    """A q8_0 layer runs the two-plane kernel for up to NATIVE_Q8_0_MAX_ROWS rows and its bf16 weight above; with
+    native kernels off it is a plain bf16 layer."""
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(96, 64, generator=g)
+    layer = FastLinear(w, dtype=torch.bfloat16, quant="q8_0", pack=True)
+    assert layer.int4 is int4 and layer.qweight is None and layer.quant_max_rows == NATIVE_Q8_0_MAX_ROWS
+    codes, d, m = q8_0_planes(w)
+    wq = dequantize(codes[0], d[0], m[0]) + dequantize(codes[1], d[1], m[1])
+    x = torch.randn(NATIVE_Q8_0_MAX_ROWS, 64, generator=g).bfloat16()
+    assert torch.equal(layer(x), int4.linear(x, layer.int4_weight))
+    _check(layer(x), x, wq)
+    x3 = torch.randn(NATIVE_Q8_0_MAX_ROWS + 1, 64, generator=g).bfloat16()
+    _check(layer(x3), x3, w.bfloat16())
+    assert layer.native_weight(NATIVE_Q8_0_MAX_ROWS) is layer.int4_weight
+    assert layer.use_native(False) is False and layer.quant_max_rows is None
+    _check(layer(x), x, w.bfloat16())

@@ -153,7 +153,7 @@ def test_int8_linear_matches_dense_and_switches_kernel_by_rows() -> None:
     x_big = torch.randn(3 * INT8_MAX_ROWS, 64, generator=gen)
     torch.testing.assert_close(wide(x_big.bfloat16()).float(), x_big.bfloat16().float() @ dequant.T,
                                atol=0.02, rtol=0.01)
-    with pytest.raises(ValueError, match="weight_quant"):
+    with pytest.raises(ValueError, match="quant must be one of"):
         FastLinear(w, dtype=torch.float32, quant="int3")
 
 

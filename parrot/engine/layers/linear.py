@@ -21,11 +21,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from parrot.engine.layers.int4 import INT4_GROUP, NativeInt4, native_int4, quantize_int4
+from parrot.engine.layers.int4 import (INT4_GROUP, NATIVE_Q8_0_MAX_ROWS, NativeInt4, native_int4,
+                                       quantize_int4)
 from parrot.engine.layers.packed import (DECODE_PACK_MAX_ROWS, DECODE_PACK_ROWS, PREFILL_PACK_ROWS, VnniKernel,
                                          pack_weight, packed_linear, vnni_kernel, vnni_packable)
 
 WEIGHT_QUANTS = ("none", "int8", "int4")
+# FastLinear also takes "q8_0": GGUF Q8_0 as two planes of the native int4 kernel (exact for a Q8_0 weight, e.g.
+# the output head of an int4 model); only native, so without the kernel such a layer is a plain bf16 one
+LINEAR_QUANTS = (*WEIGHT_QUANTS, "q8_0")
 # Measured on the dev box (SmolLM2 shapes, bf16 activations): int8 beats the dense kernel up to 4 rows
 # (T=1: ~2.5x, T=4: ~1.1x); from 8 rows on the dense bf16 GEMM wins.
 INT8_MAX_ROWS = 4
@@ -92,18 +96,20 @@ class FastLinear(nn.Module):
     def __init__(self, weight: Tensor, *, dtype: torch.dtype, quant: str = "none",
                  quant_max_rows: int | None = None, pack: bool = False) -> None:
         super().__init__()
-        if quant not in WEIGHT_QUANTS:
-            raise ValueError(f"weight_quant must be one of {WEIGHT_QUANTS}, got {quant!r}")
+        if quant not in LINEAR_QUANTS:
+            raise ValueError(f"quant must be one of {LINEAR_QUANTS}, got {quant!r}")
         if weight.dim() != 2:
             raise ValueError(f"FastLinear weight must be 2-D, got shape {tuple(weight.shape)}")
         self.out_features, self.in_features = weight.shape
         self.quant = quant
         dense = weight.to(dtype).contiguous()
-        native4 = native_int4() if quant == "int4" and dtype == torch.bfloat16 and NativeInt4.packable(weight) \
-            else None
+        native4 = native_int4() if quant in ("int4", "q8_0") and dtype == torch.bfloat16 \
+            and NativeInt4.packable(weight) else None
         self.int4_native_for: NativeInt4 | None = native4
         self.int4 = native4  # None while use_native(False)
-        self.int4_weight = native4.pack(weight) if native4 is not None else None
+        self.int4_weight = None
+        if native4 is not None:
+            self.int4_weight = native4.pack(weight) if quant == "int4" else native4.pack_q8_0(weight)
         self._quant_max_rows = quant_max_rows
         self.quant_max_rows = self._rows_limit(pack)
         self.dtype = dense.dtype
@@ -138,15 +144,17 @@ class FastLinear(nn.Module):
             return self._quant_max_rows
         if self.quant == "int8":
             return INT8_MAX_ROWS
+        if self.quant == "q8_0":
+            return NATIVE_Q8_0_MAX_ROWS if self.int4 is not None else None
         if self.int4 is not None:
             return self.int4.max_rows
         return INT4_MAX_ROWS_PACKED if pack else INT4_MAX_ROWS
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.shape[0]
+        if self.int4 is not None and rows <= self.quant_max_rows:
+            return self.int4.linear(x, self.int4_weight)
         if self.qweight is not None and rows <= self.quant_max_rows:
-            if self.int4 is not None:
-                return self.int4.linear(x, self.int4_weight)
             if self.quant == "int4":
                 return torch._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP, self.scales)
             if x.dtype == self.int8_dtype:
@@ -162,8 +170,10 @@ class FastLinear(nn.Module):
     def native_weight(self, rows: int) -> Tensor | None:
         """The packed weight :meth:`forward` hands a native kernel for ``rows`` rows (the int4 or the VNNI form;
         the dtype tells which), or None when it would run a torch kernel."""
+        if self.int4 is not None and rows <= self.quant_max_rows:
+            return self.int4_weight
         if self.qweight is not None and rows <= self.quant_max_rows:
-            return self.int4_weight if self.int4 is not None else None
+            return None
         if self.vnni is not None and rows <= self.vnni.max_rows:
             return self.vnni_weight
         return None

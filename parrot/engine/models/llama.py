@@ -310,9 +310,15 @@ def assemble_model(config: ModelConfig, weights: Iterable[tuple[str, Tensor]], *
     head_f32 = embed_f32 if config.tie_word_embeddings else globals_["lm_head.weight"]
     # a tied dense head shares the embedding's storage (FastLinear casts only when needed)
     # int4 stays off the head: GGUFs store it (token_embd) as Q8_0 or better, so 4-bit codes would lose
-    # precision there (and flip borderline greedy tokens); int4 is exact only for the Q4_1 layer weights.
-    lm_head = FastLinear(embed if config.tie_word_embeddings else head_f32.to(device), dtype=dtype,
-                         quant="none", pack=pack) if weight_quant in ("none", "int4") else linear(head_f32)
+    # precision there (and flip borderline greedy tokens); an int4 model's head is Q8_0 instead (two int4 planes
+    # of the native kernel, exact for a Q8_0 head; the bf16 weight where that kernel does not run)
+    if weight_quant == "int4":  # from the float32 weights: the planes are exact only for the file's values
+        lm_head = FastLinear(head_f32.to(device), dtype=dtype, quant="q8_0", pack=pack)
+    elif weight_quant == "none":
+        lm_head = FastLinear(embed if config.tie_word_embeddings else head_f32.to(device), dtype=dtype,
+                             quant="none", pack=pack)
+    else:
+        lm_head = linear(head_f32)
     layers = [LlamaDecoderLayer(config, i, **p) for i, p in enumerate(parts)]
     return LlamaForCausalLM(config, embed_tokens=embed, layers=layers,
                             norm=globals_["model.norm.weight"].to(device=device, dtype=torch.float32), lm_head=lm_head)
