@@ -21,8 +21,8 @@ class EngineSettings(BaseSettings):
     weight_quant: Literal["auto", "none", "int8", "int4"] = Field(
         "auto",
         description="weight-only kernels for small token counts (decode), dense GEMM for prefill: int4 = group-32 "
-        "(exact for Q4_1 GGUFs, bf16 on CPU only), int8 = per-row; none = dense always; auto = int4 for bf16 "
-        "on CPU, else none",
+        "(exact for Q4_1 GGUFs, bf16 on CPU only; the output head then runs as Q8_0, exact for a Q8_0 head, at 1-2 "
+        "rows), int8 = per-row; none = dense always; auto = int4 for bf16 on CPU, else none",
     )
     device: str = Field("cpu", description="'cpu' or 'cuda' (CUDA when present)")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads; None = all cores")
