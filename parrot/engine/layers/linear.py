@@ -113,7 +113,7 @@ class FastLinear(nn.Module):
         self._quant_max_rows = quant_max_rows
         self.quant_max_rows = self._rows_limit(pack)
         self.dtype = dense.dtype
-        # the machine's fastest native backend, if any and the shape fits; ``vnni`` is None while use_vnni(False)
+        # the machine's fastest native backend, if any and the shape fits; ``vnni`` is None while use_native(False)
         kernel = vnni_kernel() if pack and vnni_packable(dense) else None
         self.vnni_packed_for: VnniKernel | None = kernel
         self.vnni = kernel
