@@ -139,9 +139,9 @@ void scores_bf16(const Problem& p, const c10::BFloat16* qb0, const c10::BFloat16
                  const int64_t* off, int64_t L, int64_t g0, int64_t g1, float* s, int64_t Lp) {
   constexpr int64_t D = 32 * NB;
   const int64_t G = p.G, span = (g1 - g0) * D;
-  // this call's part of one token row, into L2: K kAhead tokens ahead (into L1 instead, the prefetches evicted
-  // the rows being read: 30 layers at b16 7.8 -> 6.4 ms) and V of the current chunk (read in pass 2, after all of
-  // K: a sequence's V does not fit L1)
+  // this call's part of one token row, into L2, kAhead tokens ahead (into L1 instead, the prefetches evicted the
+  // rows being read: 30 layers at b16 7.8 -> 6.4 ms). V is prefetched by pass 2 itself (pv_bf16): pulling it in
+  // here as well doubled the misses in flight while K streams (Zen 5, b16: ~104 -> ~96 us per layer)
   auto prefetch_l2 = [&](const c10::BFloat16* x) {
     for (int64_t c = 0; c < span * 2; c += 64) _mm_prefetch(reinterpret_cast<const char*>(x) + c, _MM_HINT_T1);
   };
@@ -152,7 +152,6 @@ void scores_bf16(const Problem& p, const c10::BFloat16* qb0, const c10::BFloat16
     const int64_t n = std::min<int64_t>(16, L - t0);
     for (int64_t j = 0; j < n; ++j) {
       k[j] = kc + off[t0 + j];
-      prefetch_l2(vc + off[t0 + j] + g0 * D);
       if (t0 + kAhead + j < L) prefetch_l2(kc + off[t0 + kAhead + j] + g0 * D);
     }
     // a short last chunk repeats its last row: the lanes past n get finite scores in the row's padding, which the
@@ -221,9 +220,16 @@ void pv_bf16(const c10::BFloat16* vc, const int64_t* off, int64_t L, int64_t gD,
   for (int64_t h = 0; h < G; ++h)
     for (int i = 0; i < 2 * NB; ++i) acc[h][i] = _mm512_setzero_ps();
   for (int64_t t = 0; t < L; t += 2) {
-    if (t + 17 < L) {  // L2 -> L1, 16 tokens ahead (the rows were pulled into L2 during pass 1)
+    // V from DRAM into L2 48 tokens ahead, and from L2 into L1 16 tokens ahead
+    if (t + 17 < L) {
       prefetch_rows<c10::BFloat16, D>(vc + off[t + 16] + gD, 0, 1);
       prefetch_rows<c10::BFloat16, D>(vc + off[t + 17] + gD, 0, 1);
+    }
+    if (t + 49 < L) {
+      for (int c = 0; c < D * 2; c += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(vc + off[t + 48] + gD) + c, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(vc + off[t + 49] + gD) + c, _MM_HINT_T1);
+      }
     }
     const c10::BFloat16* va = vc + off[t] + gD;
     const c10::BFloat16* vb = t + 1 < L ? vc + off[t + 1] + gD : nullptr;
