@@ -1,5 +1,5 @@
-// Weight-only int4 GEMM for single-sequence decode: out[M, N] = x[M, K] @ W[N, K]^T with bf16 activations, a few
-// rows, weights in GGUF Q4_1's own form (groups of 32 input features of one output row):
+// Weight-only int4 GEMM for decode batches of 1-8 rows: out[M, N] = x[M, K] @ W[N, K]^T with bf16 activations,
+// weights in GGUF Q4_1's own form (groups of 32 input features of one output row):
 //
 //     W[n][32 g + j] = d[n][g] * q[n][32 g + j] + m[n][g],     q in [0, 15],  d and m fp16 (as in the file)
 //
