@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from parrot.engine.config import ModelConfig, read_model_config
-from parrot.engine.layers.linear import INT8_MAX_ROWS, FastLinear
+from parrot.engine.layers.linear import FastLinear
 from parrot.engine.loader import iter_weights
 from parrot.engine.models import build_random_model, load_model
 from parrot.engine.models.llama import LlamaForCausalLM, assemble_model
@@ -147,8 +147,9 @@ def test_greedy_continuations_match_transformers(ours_fp32, hf_model, prompt_ids
 def test_low_precision_agreement(default_model_path, canonical_weights, fp32_reference, prompt_ids, dtype,
                                  quant) -> None:
     """Next-token argmax agrees with fp32 on most prompt positions and decode steps. Prefill runs in chunks no
-    larger than the quantized kernel's row limit, so int8 / int4 layers really take their kernels. (Free-running greedy continuations are not
-    compared: SmolLM2's top-2 logits are often within bf16 noise, e.g. 25.33 vs 25.24, and then diverge.)"""
+    larger than the quantized kernel's row limit, so int8 / int4 layers really take their kernels. (Free-running
+    greedy continuations are not compared: SmolLM2's top-2 logits are often within bf16 noise, e.g. 25.33 vs
+    25.24, and then diverge.)"""
     model = assemble_model(read_model_config(default_model_path), canonical_weights, dtype=dtype,
                            weight_quant=quant)
     ref_argmax, ref_tokens = fp32_reference

@@ -118,7 +118,7 @@ class PrefillMeta:
 @dataclass(frozen=True)
 class PlainDecode:
     """An iteration of decode rows only, all in one plain group for the native paged-decode kernel: what the
-    fused decode-layer op (kernels/decode_layer.cpp) needs to write each layer's new K/V and attend."""
+    all-layers decode op (kernels/decode_layers.cpp) needs to write each layer's new K/V and attend."""
 
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     slots: torch.Tensor  # long [T]
