@@ -96,3 +96,25 @@ def test_only_plain_decode_batches_take_it(ops) -> None:
     assert PagedAttention(caches, slots, [group], [chunk], scale, decode_kernel=kernel).plain_decode() is None
     shared = dataclasses.replace(group, prefix=group.suffix, prefix_len=BS)
     assert PagedAttention(caches, slots, [shared], [], scale, decode_kernel=kernel).plain_decode() is None
+
+
+def test_use_native_switches_the_op_off_and_on(ops) -> None:
+    """The per-row-count argument lists are built once; model.use_native(False) drops them, so the next decode
+    step runs layer by layer (torch's kernels), and use_native(True) brings the op back."""
+    calls: list[int] = []
+
+    def decode_layers(*args):
+        calls.append(1)
+        return ops.decode_layers(*args)
+
+    recording = SimpleNamespace(**vars(per_layer_ops(ops)), decode_layers=decode_layers)
+    model = build_random_model(CONFIG, dtype=torch.bfloat16, weight_quant="int4", seed=3)
+    run(model, recording, 2, seed=1)
+    run(model, recording, 2, seed=1)
+    assert len(calls) == 2
+    model.use_native(False)
+    run(model, recording, 2, seed=1)
+    assert len(calls) == 2
+    model.use_native(True)
+    run(model, recording, 2, seed=1)
+    assert len(calls) == 3

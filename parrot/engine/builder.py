@@ -10,7 +10,6 @@ import torch
 from parrot.engine.config import ModelConfig
 from parrot.engine.engine import EngineThread, LLMEngine
 from parrot.engine.kv_cache.block_pool import BlockPool
-from parrot.engine.layers.linear import FastLinear
 from parrot.engine.local_client import LocalEngineClient
 from parrot.engine.model_files import resolve_model_path
 from parrot.engine.runner import ModelRunner
@@ -79,9 +78,7 @@ def _assemble(settings: EngineSettings, model, tokenizer, thread: EngineThread) 
     native = _native_ops(settings)
     if model.use_fused_ops(native):  # None (or a float32 model) keeps / restores the torch path
         log.info("engine %s: native fused norm / SwiGLU ops in use", settings.name)
-    linears = [m for m in model.modules() if isinstance(m, FastLinear)]
-    for m in linears:
-        m.use_native(native is not None)
+    linears = model.use_native(native is not None)
     vnni = [m.vnni for m in linears if m.vnni is not None]
     if vnni:
         log.info("engine %s: native %s matmul for up to %d rows in %d of %d linear layers", settings.name,

@@ -110,8 +110,9 @@ class FastLinear(nn.Module):
         self.int4_weight = None
         if native4 is not None:
             self.int4_weight = native4.pack(weight) if quant == "int4" else native4.pack_q8_0(weight)
+        self._pack = pack
         self._quant_max_rows = quant_max_rows
-        self.quant_max_rows = self._rows_limit(pack)
+        self.quant_max_rows = self._rows_limit()
         self.dtype = dense.dtype
         # the machine's fastest native backend, if any and the shape fits; ``vnni`` is None while use_native(False)
         kernel = vnni_kernel() if pack and vnni_packable(dense) else None
@@ -131,9 +132,8 @@ class FastLinear(nn.Module):
             qweight = scales = None
         self.register_buffer("qweight", None if qweight is None else qweight.to(weight.device))
         self.register_buffer("scales", None if scales is None else scales.to(weight.device))
-        self._pack = pack
 
-    def _rows_limit(self, pack: bool) -> int | None:
+    def _rows_limit(self) -> int | None:
         """Rows up to which the quantized kernel runs: the caller's choice, else measured per kernel."""
         if self.quant == "none":
             return None
@@ -148,7 +148,7 @@ class FastLinear(nn.Module):
             return NATIVE_Q8_0_MAX_ROWS if self.int4 is not None else None
         if self.int4 is not None:
             return self.int4.max_rows
-        return INT4_MAX_ROWS_PACKED if pack else INT4_MAX_ROWS
+        return INT4_MAX_ROWS_PACKED if self._pack else INT4_MAX_ROWS
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.shape[0]
@@ -184,7 +184,7 @@ class FastLinear(nn.Module):
         Returns whether one of them is on."""
         self.vnni = self.vnni_packed_for if enabled else None
         self.int4 = self.int4_native_for if enabled else None
-        self.quant_max_rows = self._rows_limit(self._pack)
+        self.quant_max_rows = self._rows_limit()
         return self.vnni is not None or self.int4 is not None
 
     def dense_weight(self) -> Tensor:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
@@ -123,6 +124,19 @@ class LlamaDecoderLayer(nn.Module):
         return self.o_proj(attn(self.layer_idx, qk[:, : self.num_heads], qk[:, self.num_heads:], v))
 
 
+@dataclass(frozen=True)
+class DecodeArgs:
+    """The per-layer arguments of the all-layers decode op for one row count (see LlamaForCausalLM)."""
+
+    qkv: list[Tensor]  # packed weights, int4 or VNNI form per FastLinear.native_weight
+    o: list[Tensor]
+    gate_up: list[Tensor]
+    down: list[Tensor]
+    post_norms: list[Tensor]
+    next_norms: list[Tensor]  # the norm after each layer: the next layer's input norm, the final norm last
+    backend: str  # the VNNI backend ("" when every matmul runs int4)
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, *, embed_tokens: Tensor, layers: list[LlamaDecoderLayer],
                  norm: Tensor, lm_head: FastLinear) -> None:
@@ -134,6 +148,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = lm_head
         self.rotary = RotaryEmbedding(config, device=embed_tokens.device)
         self.fused_ops: FusedOps | None = None  # see use_fused_ops
+        # per decode row count: the per-layer arguments of the all-layers op, or None where a matmul would run a
+        # torch kernel (built on first use; which weight form runs only changes through use_native, which clears it)
+        self._decode_args: dict[int, DecodeArgs | None] = {}
 
     def use_fused_ops(self, ops: FusedOps | None) -> bool:
         """Run the norms, residual adds and SwiGLU through native fused ops (``torch.ops.parrot_kernels``, see
@@ -144,6 +161,14 @@ class LlamaForCausalLM(nn.Module):
                   and all(hasattr(ops, name) for name in FUSED_OP_NAMES))
         self.fused_ops = ops if usable else None
         return usable
+
+    def use_native(self, enabled: bool) -> list[FastLinear]:
+        """Switch every matmul's native kernels on or off (:meth:`FastLinear.use_native`); returns the layers."""
+        linears = [m for m in self.modules() if isinstance(m, FastLinear)]
+        for m in linears:
+            m.use_native(enabled)
+        self._decode_args.clear()
+        return linears
 
     @property
     def dtype(self) -> torch.dtype:
@@ -184,18 +209,27 @@ class LlamaForCausalLM(nn.Module):
         plain: PlainDecode | None = attn.plain_decode()
         if plain is None:
             return None
-        weights = [layer.native_weights(x.shape[0]) for layer in self.layers]
+        rows = x.shape[0]
+        if rows not in self._decode_args:
+            self._decode_args[rows] = self._build_decode_args(rows)
+        args = self._decode_args[rows]
+        if args is None:
+            return None
+        return ops.decode_layers(h, x, rot, args.qkv, args.o, args.gate_up, args.down, args.post_norms,
+                                 args.next_norms, self.config.rms_norm_eps, [k for k, _ in plain.kv_caches],
+                                 [v for _, v in plain.kv_caches], plain.slots, plain.table, plain.lens, plain.scale,
+                                 self.config.num_heads, args.backend)
+
+    def _build_decode_args(self, rows: int) -> DecodeArgs | None:
+        weights = [layer.native_weights(rows) for layer in self.layers]
         if any(w is None for w in weights):
             return None
         first = self.layers[0]
         backend = next((lin.vnni.backend for lin in (first.qkv_proj, first.o_proj, first.gate_up_proj,
                                                       first.down_proj) if lin.vnni is not None), "")
         qkv, o, gate_up, down = (list(ws) for ws in zip(*weights))
-        return ops.decode_layers(
-            h, x, rot, qkv, o, gate_up, down, [layer.post_norm for layer in self.layers],
-            [self._norm_after(i) for i in range(len(self.layers))], self.config.rms_norm_eps,
-            [k for k, _ in plain.kv_caches], [v for _, v in plain.kv_caches], plain.slots, plain.table, plain.lens,
-            plain.scale, first.num_heads, backend)
+        return DecodeArgs(qkv, o, gate_up, down, [layer.post_norm for layer in self.layers],
+                          [self._norm_after(i) for i in range(len(self.layers))], backend)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: Tensor) -> Tensor:
