@@ -25,7 +25,12 @@ def test_measure_peak_reports_sizes_and_threads():
     p = machine.measure_peak(1, matmul_n=32, mem_mib=2, repeats=1)
     d = p.to_dict()
     assert d["threads"] == 1 and d["matmul_n"] == 32 and d["mem_read_mib"] == 2
-    assert p.bf16_matmul_gflops > 0 and p.fp32_matmul_gflops > 0 and p.mem_read_gbs > 0
+    assert p.fp32_matmul_gflops > 0 and p.mem_read_gbs > 0
+    # bf16 is measured only where the CPU has bf16 dot products (elsewhere torch emulates them at ~1 GFLOP/s)
+    from parrot.engine.cpu import CpuPath, probe_cpu
+
+    has_bf16 = CpuPath.AVX512_BF16 in probe_cpu().paths()
+    assert (p.bf16_matmul_gflops is not None and p.bf16_matmul_gflops > 0) if has_bf16 else p.bf16_matmul_gflops is None
 
 
 def test_describe_machine_has_conditions():

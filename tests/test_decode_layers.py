@@ -1,6 +1,7 @@
 """The all-layers decode op (parrot/engine/kernels/decode_layers.cpp) against the per-layer native path: the same
 kernels in the same order, so the hidden states and the written KV caches are bit-identical; and the cases
-where the model must not take it."""
+where the model must not take it. Each CPU path the machine runs is tested: the bf16 one (int4 / VNNI matmuls,
+bf16 KV; AVX512-BF16) and the integer-dot one (qdot matmuls, fp32 compute, fp16 KV; AVX2)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from parrot.engine.builder import TINY_RANDOM_CONFIG
 from parrot.engine.layers.attention import DecodeGroup, PagedAttention, PrefillMeta
 from parrot.engine.layers.int4 import NATIVE_INT4_MAX_ROWS
 from parrot.engine.layers.packed import vnni_kernel
+from parrot.engine.layers.qdot import qdot_kernel
 from parrot.engine.models.llama import FUSED_OP_NAMES, build_random_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -28,9 +30,22 @@ BS = 16
 @pytest.fixture(scope="module")
 def ops(native_kernel):
     ops = torch.ops.parrot_kernels
-    if not hasattr(ops, "decode_layers") or not ops.int4_available():
-        pytest.skip("no AVX512-BF16 here: the native matmuls (and so the all-layers op) do not run")
+    if not hasattr(ops, "decode_layers"):
+        pytest.fail("the kernel library has no decode_layers op")
     return ops
+
+
+def bf16_model(ops, quant: str):
+    if not ops.int4_available():
+        pytest.skip("no AVX512-BF16 here: the bf16 path's native matmuls do not run")
+    return build_random_model(CONFIG, dtype=torch.bfloat16, weight_quant=quant, seed=3)
+
+
+def qdot_model(ops, quant: str, terms: int):
+    if "avx2" not in ops.qdot_variants():
+        pytest.skip("no AVX2 + FMA + F16C here: the integer-dot path does not run")
+    return build_random_model(CONFIG, dtype=torch.float32, weight_quant=quant, seed=3,
+                              qdot=qdot_kernel("avx2", terms))
 
 
 def per_layer_ops(ops) -> SimpleNamespace:
@@ -38,7 +53,7 @@ def per_layer_ops(ops) -> SimpleNamespace:
     return SimpleNamespace(**{name: getattr(ops, name) for name in FUSED_OP_NAMES})
 
 
-def decode_batch(rows: int, seed: int):
+def decode_batch(rows: int, seed: int, kv_dtype: torch.dtype = torch.bfloat16):
     """``rows`` sequences of ragged lengths over scattered blocks, their caches holding random earlier K/V, and
     the attention backend for one decode step (each row's new token at its last position)."""
     rng = random.Random(seed)
@@ -49,7 +64,7 @@ def decode_batch(rows: int, seed: int):
     tables = [[free.pop() for _ in range(-(-n // BS))] for n in lens]
     width = max(len(t) for t in tables)
     shape = (8 * rows + 2, BS, CONFIG.num_kv_heads, CONFIG.head_dim)
-    caches = [(torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16()) for _ in range(CONFIG.num_layers)]
+    caches = [(torch.randn(shape).to(kv_dtype), torch.randn(shape).to(kv_dtype)) for _ in range(CONFIG.num_layers)]
     slots = torch.tensor([t[(n - 1) // BS] * BS + (n - 1) % BS for t, n in zip(tables, lens)])
     group = DecodeGroup(0, rows, None, 0, torch.tensor([t + [0] * (width - len(t)) for t in tables],
                                                        dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
@@ -59,7 +74,8 @@ def decode_batch(rows: int, seed: int):
 
 
 def run(model, ops, rows: int, seed: int, *, prefills: list[PrefillMeta] | None = None):
-    ids, pos, caches, slots, group = decode_batch(rows, seed)
+    kv_dtype = torch.float16 if model.dtype == torch.float32 else model.dtype  # the plans' KV dtypes
+    ids, pos, caches, slots, group = decode_batch(rows, seed, kv_dtype)
     model.use_fused_ops(ops)
     attn = PagedAttention(caches, slots, [group], prefills or [], CONFIG.head_dim ** -0.5,
                           decode_kernel=torch.ops.parrot_kernels.paged_decode)
@@ -69,16 +85,33 @@ def run(model, ops, rows: int, seed: int, *, prefills: list[PrefillMeta] | None 
 @pytest.mark.parametrize("quant,rows", [("int4", 1), ("int4", 5), ("int4", 8), ("int4", 16), ("none", 1),
                                         ("none", 16), ("none", 64), ("none", 80)])
 def test_bit_identical_to_the_per_layer_path(ops, quant: str, rows: int) -> None:
-    """int4 layers: the int4 kernel up to 8 rows, the VNNI kernel above; bf16 layers: VNNI up to its row limit
-    (64 with AVX512-BF16, 32 with AMX); above it the model falls back to the per-layer path (same result,
-    trivially)."""
-    model = build_random_model(CONFIG, dtype=torch.bfloat16, weight_quant=quant, seed=3)
+    """bf16 path. int4 layers: the int4 kernel up to 8 rows, the VNNI kernel above; bf16 layers: VNNI up to its
+    row limit (64 with AVX512-BF16, 32 with AMX); above it the model falls back to the per-layer path (same
+    result, trivially)."""
+    model = bf16_model(ops, quant)
     fused, fused_caches, attn = run(model, ops, rows, seed=rows)
     assert attn.plain_decode() is not None
     taken = all(layer.native_weights(rows) is not None for layer in model.layers)
     limit = max(vnni_kernel().max_rows, NATIVE_INT4_MAX_ROWS if quant == "int4" else 0)
     assert taken == (rows <= limit)
     per_layer, per_layer_caches, _ = run(model, per_layer_ops(ops), rows, seed=rows)
+    assert torch.equal(fused, per_layer)
+    for (k1, v1), (k2, v2) in zip(fused_caches, per_layer_caches):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+@pytest.mark.parametrize("quant,terms", [("int4", 2), ("int4", 1), ("int8", 2)])
+@pytest.mark.parametrize("rows", [1, 5, 16, 80])
+def test_qdot_path_bit_identical_to_the_per_layer_path(ops, quant: str, terms: int, rows: int) -> None:
+    """Integer-dot path (fp32 compute, fp16 KV written as it is converted): the qdot kernel runs every row count, so
+    the op is always taken and equals the per-layer path bit for bit (int4: one plane of 4-bit codes, int8: Q8_0
+    as two planes; one or two int8 activation terms)."""
+    model = qdot_model(ops, quant, terms)
+    fused, fused_caches, attn = run(model, ops, rows, seed=rows)
+    assert attn.plain_decode() is not None
+    assert all(layer.native_weights(rows) is not None for layer in model.layers)
+    per_layer, per_layer_caches, _ = run(model, per_layer_ops(ops), rows, seed=rows)
+    assert fused.dtype == torch.float32 and fused_caches[0][0].dtype == torch.float16
     assert torch.equal(fused, per_layer)
     for (k1, v1), (k2, v2) in zip(fused_caches, per_layer_caches):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
@@ -98,7 +131,8 @@ def test_only_plain_decode_batches_take_it(ops) -> None:
     assert PagedAttention(caches, slots, [shared], [], scale, decode_kernel=kernel).plain_decode() is None
 
 
-def test_use_native_switches_the_op_off_and_on(ops) -> None:
+@pytest.mark.parametrize("path", ["bf16", "qdot"])
+def test_use_native_switches_the_op_off_and_on(ops, path: str) -> None:
     """The per-row-count argument lists are built once; model.use_native(False) drops them, so the next decode
     step runs layer by layer (torch's kernels), and use_native(True) brings the op back."""
     calls: list[int] = []
@@ -108,7 +142,7 @@ def test_use_native_switches_the_op_off_and_on(ops) -> None:
         return ops.decode_layers(*args)
 
     recording = SimpleNamespace(**vars(per_layer_ops(ops)), decode_layers=decode_layers)
-    model = build_random_model(CONFIG, dtype=torch.bfloat16, weight_quant="int4", seed=3)
+    model = bf16_model(ops, "int4") if path == "bf16" else qdot_model(ops, "int4", 2)
     run(model, recording, 2, seed=1)
     run(model, recording, 2, seed=1)
     assert len(calls) == 2

@@ -1,7 +1,9 @@
 """The builtin engine on the real default model (SmolLM2-135M-Instruct Q4_1 GGUF).
 
-fp32: greedy generations through the paged-KV engine equal HF transformers' greedy generate on the same GGUF,
-token for token. Default dtype (bf16 + int8 weight-only decode): answers stay sane and mostly agree with fp32.
+fp32 (the portable path: torch's fp32 kernels, fp32 KV): greedy generations through the paged-KV engine equal HF
+transformers' greedy generate on the same GGUF, token for token. Default numerics (the plan this CPU gets: bf16 on
+AVX512-BF16 / AMX, int8x2 integer dot products with an fp16 KV cache on AVX2): answers stay sane and mostly agree
+with fp32.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def model_path():
 
 @pytest.fixture(scope="module")
 def fp32_engine(model_path):
-    eng = build_engine(EngineSettings(model=model_path, dtype="float32", weight_quant="none", kv_cache_tokens=8192))
+    eng = build_engine(EngineSettings(model=model_path, cpu_path="portable", kv_cache_tokens=8192))
     yield eng
     eng.shutdown()
 
@@ -73,7 +75,7 @@ def test_fp32_greedy_matches_hf_transformers(fp32_engine, model_path):
 
 
 def test_default_dtype_is_sane(model_path, fp32_engine):
-    eng = build_engine(EngineSettings(model=model_path, kv_cache_tokens=8192))  # bf16 + int8 decode
+    eng = build_engine(EngineSettings(model=model_path, kv_cache_tokens=8192))  # this CPU's default plan
     try:
         res = _generate_all(eng, "d", max_tokens=24)
     finally:

@@ -13,22 +13,29 @@ from parrot.manager import EngineRegistry, Manager, ManagerConfig
 from parrot.manager.graph import RequestStatus, VarStatus
 from parrot.manager.prefix_store import prefix_hashes
 from parrot.manager.submit import PlaceholderSpec, SubmitSpec
+from parrot.sim.vloop import run_virtual
 from fakes import BOS, TAIL, FakeEngine
 
 
-def run(coro_fn, engine: FakeEngine | None = None, **config):
-    """Run ``coro_fn(manager, engine)`` on a fresh manager with a fake engine; always stop the manager."""
+def run(coro_fn, engine: FakeEngine | None = None, *, virtual: bool = False, **config):
+    """Run ``coro_fn(manager, engine)`` on a fresh manager with a fake engine; always stop the manager.
+
+    ``virtual``: on the simulator's virtual loop (:mod:`parrot.sim.vloop`), whose clock (also the manager's)
+    moves only when every task is blocked, straight to the next timer: ``asyncio.sleep`` returns only once
+    the manager is idle, and elapsed loop time counts timers that ran out, not the machine's speed."""
     engine = engine or FakeEngine()
 
     async def main():
-        mgr = Manager(EngineRegistry([engine]), config=ManagerConfig(heartbeat_interval_s=0, **config))
+        clock_kw = {"clock": asyncio.get_running_loop().time} if virtual else {}
+        mgr = Manager(EngineRegistry([engine], **clock_kw), config=ManagerConfig(heartbeat_interval_s=0, **config),
+                      **clock_kw)
         await mgr.start()
         try:
             return await asyncio.wait_for(coro_fn(mgr, engine), 20)
         finally:
             await mgr.stop()
 
-    return asyncio.run(main())
+    return run_virtual(main()) if virtual else asyncio.run(main())
 
 
 def out(name, var_id=None, **sampling):
@@ -80,7 +87,8 @@ def test_spaces_before_a_placeholder_move_onto_it_and_other_whitespace_stays():
         t, n = mgr.create_variable(s, "t", "parrots"), mgr.create_variable(s, "n", "loud")
         r = mgr.submit(s, SubmitSpec(template, [inp("t", t.var_id), inp("n", n.var_id), out("x"), out("y")]))
         queued = mgr.prefix_store.lookup(prefix_hashes(pieces)[-1]).queued  # hashed at queue time
-        await asyncio.sleep(0.05)  # running: filled, blocked in the first generate
+        await asyncio.sleep(0.05)  # (virtual: returns once idle) running: filled, blocked in the first generate
+        assert eng.generating == 1
         running = mgr.prefix_store.lookup(prefix_hashes(pieces)[-1])  # hashed at run time
         eng.gate.set()
         x = await mgr.get_variable(s, r.outputs[0], timeout_s=5)
@@ -88,7 +96,7 @@ def test_spaces_before_a_placeholder_move_onto_it_and_other_whitespace_stays():
         return f"{s.session_id}/{r.request_id}", queued, running, x.value, y.value, r
 
     eng = FakeEngine()
-    key, queued, running, x, y, r = run(body, eng)
+    key, queued, running, x, y, r = run(body, eng, virtual=True)
     assert eng.tokenized == pieces + ["\nTab:\t"]
     assert [c[0] for c in eng.calls] == ["fill", "generate", "fill", "generate", "free"]
     assert eng.calls[0][3] == [BOS] + FakeEngine.encode(ctx1)  # " parrots" in the same fill, no lone space
@@ -141,6 +149,9 @@ def test_first_output_starts_its_consumer_before_the_request_finishes():
 
 
 def test_failure_propagates_transitively_to_every_get_including_waiting_ones():
+    """On the virtual loop: the failure reaches every get, the waiting one included, without any of their
+    30 s timeouts running out (no virtual time passes between the failure and the last error)."""
+
     async def body(mgr, eng):
         eng.gate = asyncio.Event()
         eng.fail_generate_when = "BOOM"
@@ -153,9 +164,10 @@ def test_failure_propagates_transitively_to_every_get_including_waiting_ones():
         ok = mgr.submit(s, SubmitSpec("fine {{output:k}}", [out("k")]))
         # a get that is already waiting when the failure happens
         waiting = asyncio.create_task(mgr.get_variable(s, r3.outputs[0], timeout_s=30))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # (virtual: returns once idle)
         assert not waiting.done() and r1.status is RequestStatus.RUNNING
-        started = time.monotonic()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         eng.gate.set()
         errors = []
         for vid in (r1.outputs[0], r2.outputs[0]):
@@ -165,13 +177,13 @@ def test_failure_propagates_transitively_to_every_get_including_waiting_ones():
         with pytest.raises(StepFailed) as e:
             await waiting
         errors.append(e.value)
-        elapsed = time.monotonic() - started
+        elapsed = loop.time() - started
         k = await mgr.get_variable(s, ok.outputs[0], timeout_s=5)
         return errors, elapsed, (r1, r2, r3), k, s
 
     eng = FakeEngine()
-    errors, elapsed, reqs, k, s = run(body, eng)
-    assert elapsed < 5
+    errors, elapsed, reqs, k, s = run(body, eng, virtual=True)
+    assert elapsed == 0  # virtual seconds: woken by the failure, no timeout ran out
     assert all(e.cause_code == "engine_error" and e.status_code == 424 for e in errors)
     assert "r_1" in errors[0].message and "fake engine failure" in errors[0].message
     assert "r_3" in errors[2].message and "'z'" in errors[2].message and "fake engine failure" in errors[2].message
@@ -214,14 +226,15 @@ def test_prefix_hashes_recorded_for_queue_and_contexts():
         queued = mgr.prefix_store.lookup(h_before_x).queued
         eng.gate = asyncio.Event()
         mgr.set_variable(s, x.var_id, "val")
-        await asyncio.sleep(0.05)  # running: filled, blocked in generate
+        await asyncio.sleep(0.05)  # (virtual: returns once idle) running: filled, blocked in generate
+        assert eng.generating == 1
         running = (mgr.prefix_store.lookup(h_before_x), mgr.prefix_store.lookup(h_before_y))
         eng.gate.set()
         await mgr.get_variable(s, r.outputs[0], timeout_s=5)
         after = mgr.prefix_store.lookup(h_before_y)
         return key, queued, running, after, r
 
-    key, queued, (at_x, at_y), after, r = run(body)
+    key, queued, (at_x, at_y), after, r = run(body, virtual=True)
     assert queued == {key}
     assert at_x.queued == frozenset() and {(c.context_id, c.num_tokens) for c in at_x.contexts} == {(r.context_id, 1 + len("SYS"))}
     assert {(c.engine, c.num_tokens) for c in at_y.contexts} == {("fake0", 1 + len("SYS val Q"))}
@@ -229,21 +242,25 @@ def test_prefix_hashes_recorded_for_queue_and_contexts():
 
 
 def test_long_poll_pending_then_ready_and_criteria_recorded():
+    """On the virtual loop: a long-poll of a pending variable answers PENDING when its 0.2 s run out (not
+    earlier), and a waiting one returns at the set, not at its 10 s timeout."""
+
     async def body(mgr, eng):
+        loop = asyncio.get_running_loop()
         s = mgr.create_session()
         v = mgr.create_variable(s, "v")
-        t0 = time.monotonic()
+        t0 = loop.time()
         pending = await mgr.get_variable(s, v.var_id, criteria="latency", timeout_s=0.2)
-        waited = time.monotonic() - t0
+        waited = loop.time() - t0
         perf = s.graph.get_perf_obj(v.var_id)
         later = asyncio.create_task(mgr.get_variable(s, v.var_id, timeout_s=10))
         await asyncio.sleep(0.02)
         mgr.set_variable(s, v.var_id, "now")
-        t1 = time.monotonic()
+        t1 = loop.time()
         ready = await later
-        return pending, waited, perf, ready, time.monotonic() - t1
+        return pending, waited, perf, ready, loop.time() - t1
 
-    pending, waited, perf, ready, wake = run(body)
-    assert pending.status is VarStatus.PENDING and pending.value is None and 0.2 <= waited < 2
+    pending, waited, perf, ready, wake = run(body, virtual=True)
+    assert pending.status is VarStatus.PENDING and pending.value is None and waited == pytest.approx(0.2)
     assert perf.value == "latency"
-    assert ready.value == "now" and wake < 1  # woken by the event, not by the timeout
+    assert ready.value == "now" and wake == 0  # virtual seconds: woken by the event, not by the timeout

@@ -33,18 +33,22 @@ def dense_reference(q, kc, vc, tables, lens, scale):
     return torch.stack(outs), torch.stack(lses)
 
 
-@pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 64), (torch.bfloat16, 64), (torch.float32, 128),
-                                            (torch.bfloat16, 128), (torch.bfloat16, 32), (torch.bfloat16, 16),
-                                            (torch.float32, 24)])
-def test_matches_dense_attention(native_kernel, dtype, head_dim):
+@pytest.mark.parametrize("dtype,head_dim,kv_dtype", [
+    (torch.float32, 64, None), (torch.bfloat16, 64, None), (torch.float32, 128, None), (torch.bfloat16, 128, None),
+    (torch.bfloat16, 32, None), (torch.bfloat16, 16, None), (torch.float32, 24, None),
+    (torch.float32, 64, torch.float16), (torch.float32, 128, torch.float16), (torch.float32, 32, torch.bfloat16),
+    (torch.bfloat16, 64, torch.float16), (torch.float32, 24, torch.float16)])
+def test_matches_dense_attention(native_kernel, dtype, head_dim, kv_dtype):
     """Scattered blocks, ragged lengths (1 token, odd counts, partial last blocks, several blocks), GQA 3:1;
     D = 32/64/128 take the AVX-512 path where the CPU has it (bf16: VDPBF16PS scores and the two-tokens-per-
-    instruction P.V pass), D = 16/24 the portable one."""
+    instruction P.V pass) and the AVX2 one where it has only that, D = 16/24 the portable one. KV caches in another
+    dtype than q (fp16 for the integer-dot CPU paths' fp32 models) take the AVX2 path on any x86-64-v3 CPU."""
+    kv_dtype = kv_dtype or dtype
     rng = random.Random(0)
     torch.manual_seed(0)
     bs, n_kv, G, nb = 16, 3, 3, 80
-    kc = torch.randn(nb, bs, n_kv, head_dim).to(dtype)
-    vc = torch.randn(nb, bs, n_kv, head_dim).to(dtype)
+    kc = torch.randn(nb, bs, n_kv, head_dim).to(kv_dtype)
+    vc = torch.randn(nb, bs, n_kv, head_dim).to(kv_dtype)
     lens = [1, 15, 16, 17, 100, 257, 33, 64]
     free = list(range(nb))
     rng.shuffle(free)
@@ -88,9 +92,11 @@ SMALL = ModelConfig(
 )
 
 
-def test_engine_native_and_torch_paths_agree(native_kernel):
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_engine_native_and_torch_paths_agree(native_kernel, kv_dtype):
     """Concurrent greedy generations, plain and forked (shared-prefix groups), give the same tokens whichever
-    attention path decodes them (fp32)."""
+    attention path decodes them (fp32 compute; KV stored in fp32, or in fp16 as the integer-dot CPU paths keep
+    it: the torch path then converts what it reads)."""
     from parrot.engine.tokenizer import load_tokenizer
     from parrot.engine.model_files import default_model_path
 
@@ -103,7 +109,7 @@ def test_engine_native_and_torch_paths_agree(native_kernel):
     results = {}
     for path in ("torch", "native"):
         eng = build_engine(EngineSettings(dtype="float32", weight_quant="none", kv_cache_tokens=4096,
-                                          attention_kernel=path), model=model, tokenizer=tok)
+                                          attention_kernel=path, kv_dtype=kv_dtype), model=model, tokenizer=tok)
         try:
             assert (eng.runner.decode_kernel is not None) == (path == "native")
             eng.fill(prefix, "base").result()

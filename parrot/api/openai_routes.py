@@ -25,8 +25,9 @@ def _service(request: Request) -> CompletionService:
 async def list_models(request: Request) -> ModelList:
     manager: Manager = request.app.state.manager
     created = int(request.app.state.started_at)
-    return ModelList(data=[ModelCard(id=info.name, created=created, max_model_len=info.max_model_len)
-                           for info in manager.registry.model_infos()])
+    registry = manager.registry
+    return ModelList(data=[ModelCard(id=info.name, created=created, max_model_len=info.max_model_len,
+                                     numerics=registry.numerics_of(info.name)) for info in registry.model_infos()])
 
 
 @router.post("/completions")

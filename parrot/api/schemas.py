@@ -151,6 +151,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "parrot"
     max_model_len: int
+    # per engine serving the model: how it computes (CPU model and family, CPU path, dtypes, matmul kernels)
+    numerics: dict[str, dict] = Field(default_factory=dict)
 
 
 class ModelList(BaseModel):

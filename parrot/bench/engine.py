@@ -1,15 +1,26 @@
 """Engine benchmark: the builtin engine vs HF transformers vs llama.cpp on one GGUF, plus the machine's peak.
 
     python -m parrot.bench.engine [--systems ours,hf,llamacpp] [--quick] [--out bench_out/engine]
+                                  [--cpu-path auto] [--dtype auto] [--weight-quant auto] [--act-quant auto]
+                                  [--ours-variants default,act_quant=int8,cpu_path=avx2+act_quant=int8]
 
 Every system (and the machine-peak measure) runs in its own subprocess, one after the other
 (``python -m parrot.bench.engine --worker NAME ...`` prints one JSON line), so thread settings and the max
 RSS (``os.wait4``'s ru_maxrss of that child) are clean. The protocol is in :mod:`parrot.bench.peers`.
 
+Ours runs once per ``--ours-variants`` spec (worker ``ours`` for ``default``, ``ours:<spec>`` for a ``+``-joined
+list of EngineSettings overrides applied on top of the ``--cpu-path / --dtype / --weight-quant / --act-quant``
+flags). Each engine picks its numerics plan at start (parrot.engine.numerics); its label names the plan's CPU path
+and numerics (e.g. "ours avx2 int8x2", "ours avx512_bf16 bf16/int4"), its info carries the whole plan, and the
+ratio table has one block of rows per ours variant ("<ours label> / <peer>"). The conditions name the CPU model,
+its family and the CPU paths it can run.
+
 Share of peak (stated with the table):
     useful FLOPs per generated token = 2 * (matmul params incl. the output head)
                                        + 4 * layers * n_heads * head_dim * L   (QK^T and PV over L tokens)
-    with L = context + K/2 (mean attended length while generating K tokens), as % of the bf16 matmul peak;
+    with L = context + K/2 (mean attended length while generating K tokens); at the largest batch, as % of the
+    bf16 and the fp32 matmul peaks (torch.matmul) and of the int8 dot-product peak (a synthetic VPMADDUBSW loop,
+    kernels/peak.cpp; a FLOP counts as one op, a u8 x s8 multiply-add as two);
     batch-1 bandwidth = weight bytes a decode step streams (its own format) * tok/s, as % of memory read GB/s.
 """
 
@@ -32,22 +43,127 @@ log = logging.getLogger("parrot.bench.engine")
 
 DEFAULT_HF_DTYPES = ("float32", "bfloat16")
 DEFAULT_LLAMA_VARIANTS = ("file", "Q4_0", "Q8_0")  # "file" = the GGUF as given (Q4_1 by default)
+# EngineSettings fields the benchmark sets itself (an ours variant may override any other field)
+BENCH_SETTINGS = frozenset({"model", "num_threads", "max_num_seqs", "max_batch_tokens", "kv_cache_tokens",
+                            "kv_cache_bytes", "random_model", "name"})
+# ours' flags: EngineSettings field -> the driver's option
+OURS_FLAGS = {"cpu_path": "--cpu-path", "dtype": "--dtype", "weight_quant": "--weight-quant",
+              "act_quant": "--act-quant"}
+
+
+# ---- ours variants and labels -------------------------------------------------------------------------------
+def parse_variant_spec(spec: str) -> dict[str, str]:
+    """One ``--ours-variants`` spec -> its EngineSettings overrides: ``default`` -> {}, ``k=v+k2=v2`` -> {k: v, k2:
+    v2} (values as strings; EngineSettings converts them). Raises ValueError naming the spec."""
+    from parrot.engine.settings import EngineSettings
+
+    spec = spec.strip()
+    if spec in ("", "default"):
+        return {}
+    out: dict[str, str] = {}
+    for item in spec.split("+"):
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key or not value:
+            raise ValueError(f"ours variant {spec!r}: {item!r} is not key=value")
+        if key in BENCH_SETTINGS:
+            raise ValueError(f"ours variant {spec!r}: {key} is set by the benchmark itself")
+        if key not in EngineSettings.model_fields:
+            raise ValueError(f"ours variant {spec!r}: unknown setting {key!r} (EngineSettings fields: "
+                             f"{', '.join(sorted(set(EngineSettings.model_fields) - BENCH_SETTINGS))})")
+        if key in out:
+            raise ValueError(f"ours variant {spec!r}: {key} given twice")
+        out[key] = value
+    return out
+
+
+def variant_worker(overrides: dict[str, str]) -> str:
+    """The worker name of an ours variant: ``ours`` for the default settings, else ``ours:k=v+k2=v2``."""
+    return "ours" if not overrides else "ours:" + "+".join(f"{k}={v}" for k, v in overrides.items())
+
+
+def ours_settings(base: dict, overrides: dict, **bench):
+    """The EngineSettings of one ours variant: the ours flags (``base``), then the variant's overrides, then the
+    benchmark's own sizing (``bench``). Raises pydantic's ValidationError for a bad value."""
+    from parrot.engine.settings import EngineSettings
+
+    return EngineSettings(**{**base, **overrides, **bench})
+
+
+def parse_ours_variants(text: str, base: dict) -> dict[str, dict[str, str]]:
+    """``--ours-variants`` (comma-separated specs) -> {worker name: overrides}, in the given order, duplicates
+    dropped. Every variant is validated with EngineSettings (on top of ``base``, the ours flags) and a forced
+    ``cpu_path`` against this CPU's features. Raises ValueError naming the bad spec."""
+    from pydantic import ValidationError
+
+    from parrot.engine.cpu import CpuPath, probe_cpu
+
+    out: dict[str, dict[str, str]] = {}
+    specs = [x.strip() for x in text.split(",") if x.strip()]
+    if not specs:
+        raise ValueError("no ours variant given (use 'default' for the default settings)")
+    for spec in specs:
+        overrides = parse_variant_spec(spec)
+        try:
+            settings = ours_settings(base, overrides)
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(str(x) for x in err.get("loc", ())) or "settings"
+            raise ValueError(f"ours variant {spec!r}: {where}: {err['msg']}") from None
+        if settings.cpu_path != "auto" and settings.device == "cpu":
+            missing = probe_cpu().missing(CpuPath(settings.cpu_path))
+            if missing:
+                raise ValueError(f"ours variant {spec!r}: cpu_path={settings.cpu_path} needs CPU features this "
+                                 f"{probe_cpu().model} lacks: {', '.join(missing)}")
+        out.setdefault(variant_worker(overrides), overrides)
+    return out
+
+
+def _short_dtype(dtype: str) -> str:
+    return {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(dtype, dtype)
+
+
+def plan_label(plan: dict) -> str:
+    """Short label of an ours system from its numerics plan (NumericsPlan.to_dict()): the CPU path, then the
+    activation quantization on the integer-dot matmuls ("ours avx2 int8x2") or compute dtype / weight quant
+    elsewhere ("ours avx512_bf16 bf16/int4"); a forced weight_quant on the integer-dot path and native kernels
+    turned off on a native path are named too."""
+    path = plan.get("path", "?")
+    if str(plan.get("matmul", "")).startswith("qdot"):
+        label = f"ours {path} {plan.get('act_quant', '?')}"
+        if plan.get("weight_quant", "auto") != "auto":
+            label += f" w={plan['weight_quant']}"
+    else:
+        label = f"ours {path} {_short_dtype(plan.get('dtype', '?'))}/{plan.get('weight_quant', '?')}"
+        if path != "portable" and plan.get("native_ops") is False:
+            label += " torch-kernels"
+    return label
+
+
+def _is_ours(worker: str) -> bool:
+    return worker.partition(":")[0] == "ours"
+
+
+def _ours_spec(worker: str) -> str:
+    return worker.partition(":")[2] or "default"
 
 
 # ---- ours -------------------------------------------------------------------------------------------------------
 class OursRunner(Runner):
     """The builtin engine in-process, driven through its public fill / generate / free_context API."""
 
-    def __init__(self, model_path: str, *, dtype: str, weight_quant: str, threads: int, proto: Protocol) -> None:
+    def __init__(self, model_path: str, *, base: dict, overrides: dict, threads: int, proto: Protocol) -> None:
+        """``base``: the ours flags (cpu_path, dtype, weight_quant, act_quant); ``overrides``: this variant's
+        EngineSettings overrides on top of them."""
         from parrot.engine.builder import build_engine
-        from parrot.engine.settings import EngineSettings
 
         n = max(proto.batches)
         # peak KV use: n parents of C tokens + n children of K tokens, each rounded up to whole blocks (+1 block
         # of slack per sequence), plus one prefill context; sized tightly so the pool does not inflate max RSS
         per_seq = proto.context_tokens + proto.decode_tokens + 2 * 16
-        self.settings = EngineSettings(
-            model=model_path, dtype=dtype, weight_quant=weight_quant, num_threads=threads, max_num_seqs=n,
+        self.overrides = dict(overrides)
+        self.settings = ours_settings(
+            base, overrides, model=model_path, num_threads=threads, max_num_seqs=n,
             max_batch_tokens=max(512, proto.prefill_tokens), kv_cache_tokens=n * per_seq + proto.prefill_tokens + 16,
         )
         self.engine = build_engine(self.settings)
@@ -91,12 +207,16 @@ class OursRunner(Runner):
 
     def decode_weight_bytes(self) -> int:
         """Per FastLinear: the quantized weight a one-row decode step streams when it has one (the native int4
-        form, codes and scales in one tensor, or torch's int4 / int8 weight + scales), else its dense weight."""
+        form, codes and scales in one tensor, or torch's int4 / int8 weight + scales), else its dense weight; per
+        QDotLinear (integer-dot paths): its packed codes + scales (or the dense weight with native kernels off)."""
         from parrot.engine.layers.linear import FastLinear
+        from parrot.engine.layers.qdot import QDotLinear
 
         total = 0
         for mod in self.engine.runner.model.modules():
-            if isinstance(mod, FastLinear):
+            if isinstance(mod, QDotLinear):
+                total += mod.packed.nbytes if mod.qdot is not None else mod.dense_weight().nbytes
+            elif isinstance(mod, FastLinear):
                 dense = mod.out_features * mod.in_features * mod.dtype.itemsize  # dense or packed, same bytes
                 if mod.int4 is not None:
                     total += mod.int4_weight.nbytes
@@ -106,12 +226,18 @@ class OursRunner(Runner):
                     total += dense
         return total
 
+    def numerics(self) -> dict:
+        """The engine's numerics plan as it runs (NumericsPlan.to_dict())."""
+        plan = getattr(self.engine, "numerics", None)
+        return dict(plan) if plan else dict(self.engine.status().extra.get("numerics", {}))
+
     def info(self) -> dict:
         import torch
 
         s = self.settings
-        return {"dtype": s.dtype, "weight_quant": s.weight_quant,
-                "resolved_weight_quant": getattr(s, "resolved_weight_quant", s.weight_quant), "threads": s.num_threads,
+        return {"variant": variant_worker(self.overrides).partition(":")[2] or "default",
+                "settings": {k: getattr(s, k) for k in (*OURS_FLAGS, "kv_dtype", "attention_kernel")},
+                "numerics": self.numerics(), "threads": s.num_threads,
                 "max_num_seqs": s.max_num_seqs, "max_batch_tokens": s.max_batch_tokens,
                 "kv_cache_tokens": s.kv_cache_tokens, "torch": torch.__version__,
                 "attention_kernel": "native" if self.engine.runner.decode_kernel is not None else "torch",
@@ -139,8 +265,8 @@ def _make_runner(args, proto: Protocol) -> Runner:
 
     kind, _, variant = args.worker.partition(":")
     if kind == "ours":
-        return OursRunner(args.model, dtype=args.dtype, weight_quant=args.weight_quant, threads=args.threads,
-                          proto=proto)
+        return OursRunner(args.model, base=_ours_base(args), overrides=parse_variant_spec(variant),
+                          threads=args.threads, proto=proto)
     if kind == "hf":
         return peers.HFRunner(args.model, variant, args.threads, hf_dir=args.hf_dir)
     if kind == "llamacpp":
@@ -156,8 +282,10 @@ def run_worker(args) -> dict:
     if args.worker == "machine":
         from parrot.bench.machine import measure_peak
 
-        n, mib, reps = (1536, 512, 3) if args.quick else (2048, 1024, 5)
-        peak = measure_peak(args.threads, matmul_n=n, mem_mib=mib, repeats=reps)
+        # --quick: n = 1024 (on a CPU without bf16 dot products torch's bf16 matmul runs ~1 GFLOP/s: 1536 took
+        # ~8 s per run there, 2048 ~19 s)
+        n, mib, reps, int8_s = (1024, 512, 3, 0.25) if args.quick else (2048, 1024, 5, 1.0)
+        peak = measure_peak(args.threads, matmul_n=n, mem_mib=mib, repeats=reps, int8_seconds=int8_s)
         return {"system": "machine", "ok": True, **peak.to_dict()}
     kind, _, variant = args.worker.partition(":")
     # import each system's libraries before the "after_import" RSS sample, so it is the same baseline for all
@@ -208,7 +336,7 @@ def _protocol(args) -> Protocol:
 # ---- driver ---------------------------------------------------------------------------------------------------
 def _worker_cmd(args, worker: str, **extra: str) -> list[str]:
     cmd = [sys.executable, "-m", "parrot.bench.engine", "--worker", worker, "--model", args.model,
-           "--threads", str(args.threads), "--dtype", args.dtype, "--weight-quant", args.weight_quant,
+           "--threads", str(args.threads), *(x for k, flag in OURS_FLAGS.items() for x in (flag, getattr(args, k))),
            "--prefill-tokens", str(args.prefill_tokens), "--context-tokens", str(args.context_tokens),
            "--decode-tokens", str(args.decode_tokens), "--prefill-repeats", str(args.prefill_repeats),
            "--decode-repeats", str(args.decode_repeats), "--budget", str(args.budget),
@@ -248,17 +376,18 @@ def run_subprocess(cmd: list[str], timeout: float, threads: int) -> tuple[dict |
     return None, max_rss, f"exit code {proc.returncode}, no result line"
 
 
-def _ours_quant(args) -> str:
-    from parrot.engine.settings import EngineSettings
-
-    s = EngineSettings(dtype=args.dtype, weight_quant=args.weight_quant)
-    return getattr(s, "resolved_weight_quant", s.weight_quant)
+def _ours_base(args) -> dict:
+    """The ours flags as EngineSettings values (every ours variant starts from them)."""
+    return {k: getattr(args, k) for k in OURS_FLAGS}
 
 
-def _label(worker: str, args, file_type: str) -> str:
+def _label(worker: str, file_type: str, res: dict | None = None) -> str:
+    """A system's label; an ours system's comes from the numerics plan its engine reported (before that, or when
+    it failed, from its variant spec)."""
     kind, _, variant = worker.partition(":")
     if kind == "ours":
-        return f"ours {args.dtype}/{_ours_quant(args)}"
+        plan = ((res or {}).get("info") or {}).get("numerics")
+        return plan_label(plan) if plan else f"ours [{variant or 'default'}]"
     if kind == "hf":
         return f"HF {'fp32' if variant == 'float32' else 'bf16'}"
     return f"llama.cpp {file_type if variant == 'file' else variant}"
@@ -271,7 +400,7 @@ def plan_workers(args, file_type: str) -> list[str]:
     workers: list[str] = []
     for system in args.systems:
         if system == "ours":
-            workers.append("ours")
+            workers += list(args.ours_workers)
         elif system == "hf":
             workers += [f"hf:{d}" for d in args.hf_dtypes]
         elif system == "llamacpp":
@@ -325,6 +454,7 @@ def run_all(args) -> dict:
     """Machine peak, then each system in its own subprocess; returns the full JSON-able result."""
     from parrot.bench.machine import describe_machine
     from parrot.bench.peers import gguf_file_type
+    from parrot.engine.cpu import probe_cpu
 
     file_type = gguf_file_type(args.model)
     workers = plan_workers(args, file_type)
@@ -338,7 +468,7 @@ def run_all(args) -> dict:
         model, extra = _prepare(args, worker)
         if model is None:
             systems[worker] = {"system": worker, "ok": False, "error": extra["error"],
-                               "label": _label(worker, args, file_type)}
+                               "label": _label(worker, file_type)}
             continue
         log.info("running %s ...", worker)
         cmd = _worker_cmd(args, worker, **extra)
@@ -350,7 +480,7 @@ def run_all(args) -> dict:
             cmd[cmd.index("--llama-buffers") + 1] = "plain"
             res, max_rss, err = run_subprocess(cmd, args.worker_timeout, args.threads)
         res = res or {"system": worker, "ok": False, "error": err}
-        res["label"] = _label(worker, args, file_type)
+        res["label"] = _label(worker, file_type, res)
         res["max_rss_mib"] = max_rss
         systems[worker] = res
         if not res.get("ok"):
@@ -362,22 +492,39 @@ def run_all(args) -> dict:
     if again is None:
         log.error("machine peak (second reading) failed: %s", err)
     machine = combine_peaks(machine, again)
-    conditions = {**describe_machine(), "threads": args.threads, "model": os.path.basename(args.model),
-                  "model_file_type": file_type,
-                  "ours": f"dtype={args.dtype} weight_quant={args.weight_quant} (-> {_ours_quant(args)})",
+    unique_labels(systems)
+    cpu = probe_cpu()
+    conditions = {**describe_machine(), "cpu_family": cpu.family, "cpu_paths": ", ".join(p.value for p in cpu.paths()),
+                  "threads": args.threads, "model": os.path.basename(args.model), "model_file_type": file_type,
+                  "ours": " ".join(f"{k}={v}" for k, v in _ours_base(args).items())
+                          + "; variants: " + ", ".join(_ours_spec(w) for w in args.ours_workers),
                   "quick": args.quick, "total_s": round(time.perf_counter() - t_start, 1)}
     return {"conditions": conditions, "protocol": asdict(_protocol(args)), "machine": machine, "systems": systems}
 
 
+def unique_labels(systems: dict[str, dict]) -> None:
+    """Two ours variants whose plans read the same (e.g. a kv_dtype override) get their spec appended."""
+    counts: dict[str, int] = {}
+    for r in systems.values():
+        counts[r["label"]] = counts.get(r["label"], 0) + 1
+    for w, r in systems.items():
+        if counts[r["label"]] > 1 and _is_ours(w):
+            r["label"] = f"{r['label']} [{_ours_spec(w)}]"
+
+
+PEAK_KEYS = ("bf16_matmul_gflops", "fp32_matmul_gflops", "int8_dot_gops", "mem_read_gbs")
+
+
 def combine_peaks(first: dict | None, second: dict | None) -> dict | None:
-    """The per-figure maximum of two machine-peak readings (either may be missing); keeps both readings."""
+    """The per-figure maximum of two machine-peak readings (either may be missing, and a figure may be None or
+    absent in one: then the other's counts); keeps both readings."""
     if first is None or second is None:
         return first or second
     out = dict(first)
-    for key in ("bf16_matmul_gflops", "fp32_matmul_gflops", "mem_read_gbs"):
-        out[key] = max(first[key], second[key])
-    out["readings"] = [{k: first[k] for k in ("bf16_matmul_gflops", "fp32_matmul_gflops", "mem_read_gbs")},
-                       {k: second[k] for k in ("bf16_matmul_gflops", "fp32_matmul_gflops", "mem_read_gbs")}]
+    for key in PEAK_KEYS:
+        vals = [v for v in (first.get(key), second.get(key)) if v is not None]
+        out[key] = max(vals) if vals else None
+    out["readings"] = [{k: first.get(k) for k in PEAK_KEYS}, {k: second.get(k) for k in PEAK_KEYS}]
     return out
 
 
@@ -404,23 +551,29 @@ def _rate(res: dict, batch: int | None, stat: str = "best") -> float | None:
 
 
 def summarize(data: dict, cfg) -> None:
-    """Add ``ratios`` (ours / each peer, per metric) and ``share_of_peak`` (per system) to ``data``."""
+    """Add ``ratios`` ({ours label: {peer label: {metric: ours / peer}}, one block per ours variant, with a
+    "llama.cpp best quant" entry per block when llama.cpp ran) and ``share_of_peak`` (per system: the largest
+    batch's useful GFLOP/s as % of the bf16 / fp32 / int8 peaks, the smallest batch's GB/s as % of memory read)
+    to ``data``."""
     from parrot.bench.report import ratio
 
     proto, systems, machine = data["protocol"], data["systems"], data["machine"] or {}
     metrics = {"prefill": None, **{f"decode_b{n}": n for n in proto["batches"]}}
-    ours = systems.get("ours", {})
-    peers = {w: r for w, r in systems.items() if w != "ours"}
-    ratios: dict[str, dict] = {}
-    for w, r in peers.items():
-        ratios[r["label"]] = {m: ratio(_rate(ours, b), _rate(r, b)) for m, b in metrics.items()}
+    ours_all = {w: r for w, r in systems.items() if _is_ours(w)}
+    peers = {w: r for w, r in systems.items() if not _is_ours(w)}
     llamas = {w: r for w, r in peers.items() if w.startswith("llamacpp") and r.get("ok")}
-    if llamas:
-        best: dict[str, dict] = {}
-        for m, b in metrics.items():
-            w = max(llamas, key=lambda k: _rate(llamas[k], b) or 0.0)
-            best[m] = {"ratio": ratio(_rate(ours, b), _rate(llamas[w], b)), "peer": llamas[w]["label"]}
-        ratios["llama.cpp best quant"] = best
+    ratios: dict[str, dict] = {}
+    for ours in ours_all.values():
+        block: dict[str, dict] = {}
+        for w, r in peers.items():
+            block[r["label"]] = {m: ratio(_rate(ours, b), _rate(r, b)) for m, b in metrics.items()}
+        if llamas:
+            best: dict[str, dict] = {}
+            for m, b in metrics.items():
+                w = max(llamas, key=lambda k: _rate(llamas[k], b) or 0.0)
+                best[m] = {"ratio": ratio(_rate(ours, b), _rate(llamas[w], b)), "peer": llamas[w]["label"]}
+            block["llama.cpp best quant"] = best
+        ratios[ours["label"]] = block
     data["ratios"] = ratios
     big, small = max(proto["batches"]), min(proto["batches"])
     fpt = flops_per_token(cfg, proto["context_tokens"] + proto["decode_tokens"] / 2)
@@ -432,6 +585,8 @@ def summarize(data: dict, cfg) -> None:
         gbs = None if ts is None or wbytes is None else wbytes * ts / 1e9
         share[r["label"]] = {
             f"b{big}_gflops": gflops, "pct_bf16_peak": ratio(gflops, machine.get("bf16_matmul_gflops")),
+            "pct_fp32_peak": ratio(gflops, machine.get("fp32_matmul_gflops")),
+            "pct_int8_peak": ratio(gflops, machine.get("int8_dot_gops")),
             "weight_mb_per_token": None if wbytes is None else wbytes / 1e6, f"b{small}_gbs": gbs,
             "pct_mem_bw": ratio(gbs, machine.get("mem_read_gbs")),
         }
@@ -439,6 +594,10 @@ def summarize(data: dict, cfg) -> None:
     data["formulas"] = {
         "flops_per_token": f"2*{matmul_params(cfg):,} (matmul params incl. head) + 4*layers*heads*head_dim*L, "
                            f"L=context+K/2 -> {fpt / 1e6:.1f} MFLOP",
+        "peaks": "% bf16 / % fp32 peak: of torch.matmul's bf16 / fp32 GFLOP/s on square matrices; % int8 peak: of "
+                 "the int8 dot-product GOPS of a synthetic VPMADDUBSW loop (kernels/peak.cpp: u8 x s8 multiply-adds "
+                 "on every thread, 2 ops each), the useful FLOPs above counted as ops; all at "
+                 f"batch {big}",
         "bandwidth": f"weight bytes streamed per decode step (system's own format) * batch-{small} tok/s",
         "decode": "tok/s = N*K / wall time for N sequences to generate K tokens each (first from the fill's logits, "
                   "then K-1 steps); ours fills N distinct contexts, peers copy one prefilled context's KV N times",
@@ -459,39 +618,45 @@ def render(data: dict, cfg, out_dir: str) -> str:
     rows = [[r["label"], cell(r, None)] + [cell(r, n) for n in batches]
             + [r.get("max_rss_mib") if r.get("ok") else f"failed: {r.get('error', '')[:60]}"]
             for r in systems.values()]
-    infos = {r["label"]: " ".join(f"{k}={v}" for k, v in r.get("info", {}).items()) for r in systems.values()}
-    parts = ["== Engine benchmark ==", format_conditions(data["conditions"]),
-             "protocol: " + " ".join(f"{k}={v}" for k, v in proto.items()), format_conditions(infos), "",
+    infos = {r["label"]: _info_text(r.get("info", {})) for r in systems.values()}
+    cond = data["conditions"]
+    parts = [f"== Engine benchmark on {cond.get('cpu', '?')} [{cond.get('cpu_family', '?')}] ==",
+             format_conditions(cond), "protocol: " + " ".join(f"{k}={v}" for k, v in proto.items()),
+             format_conditions(infos), "",
              format_table(heads, rows, title="Throughput, tok/s: best (median)"), ""]
     rrows = []
-    for peer, m in data["ratios"].items():
-        cells = []
-        for key in ["prefill"] + [f"decode_b{n}" for n in batches]:
-            v = m.get(key)
-            cells.append(f"{fmt_ratio(v['ratio'])} ({v['peer']})" if isinstance(v, dict) else fmt_ratio(v))
-        rrows.append([f"ours / {peer}"] + cells)
-    parts += [format_table(["ratio"] + heads[1:-1], rrows, title="Ratios (best vs best)"), ""]
+    for ours_label, block in data["ratios"].items():
+        for peer, m in block.items():
+            cells = []
+            for key in ["prefill"] + [f"decode_b{n}" for n in batches]:
+                v = m.get(key)
+                cells.append(f"{fmt_ratio(v['ratio'])} ({v['peer']})" if isinstance(v, dict) else fmt_ratio(v))
+            rrows.append([f"{ours_label} / {peer}"] + cells)
+    parts += [format_table(["ratio"] + heads[1:-1], rrows, title="Ratios (best vs best), per ours variant")
+              if rrows else "Ratios: no peer ran", ""]
     mach = data["machine"] or {}
     big, small = max(batches), min(batches)
     parts.append(f"machine peak ({mach.get('threads', '?')} threads): "
                  f"bf16 matmul {fmt_num(mach.get('bf16_matmul_gflops'))} GFLOP/s, "
                  f"fp32 matmul {fmt_num(mach.get('fp32_matmul_gflops'))} GFLOP/s, "
+                 f"int8 dot {fmt_num(mach.get('int8_dot_gops'))} GOPS, "
                  f"memory read {fmt_num(mach.get('mem_read_gbs'))} GB/s"
-                 + (" (the higher of two readings, before and after the systems: "
-                    + "; ".join(f"{fmt_num(r['bf16_matmul_gflops'])} / {fmt_num(r['mem_read_gbs'])}"
-                                for r in mach["readings"]) + ")" if mach.get("readings") else ""))
-    srows = [[label, s[f"b{big}_gflops"], fmt_pct(s["pct_bf16_peak"]), s["weight_mb_per_token"], s[f"b{small}_gbs"],
-              fmt_pct(s["pct_mem_bw"])] for label, s in data["share_of_peak"].items()]
-    parts += [format_table(["system", f"b{big} GFLOP/s", "% bf16 peak", "weights MB/tok", f"b{small} GB/s", "% mem BW"],
-                           srows, title="Share of machine peak"),
+                 + (" (the higher of two readings, before and after the systems, bf16 / fp32 / int8 / mem: "
+                    + "; ".join(" / ".join(fmt_num(r.get(k)) for k in PEAK_KEYS) for r in mach["readings"]) + ")"
+                    if mach.get("readings") else ""))
+    srows = [[label, s[f"b{big}_gflops"], fmt_pct(s["pct_bf16_peak"]), fmt_pct(s.get("pct_fp32_peak")),
+              fmt_pct(s.get("pct_int8_peak")), s["weight_mb_per_token"], s[f"b{small}_gbs"], fmt_pct(s["pct_mem_bw"])]
+             for label, s in data["share_of_peak"].items()]
+    parts += [format_table(["system", f"b{big} GFLOP/s", "% bf16 peak", "% fp32 peak", "% int8 peak", "weights MB/tok",
+                            f"b{small} GB/s", "% mem BW"], srows, title="Share of machine peak"),
               *(f"  {k}: {v}" for k, v in data["formulas"].items()), ""]
     panels = {f"prefill {proto['prefill_tokens']}": {r["label"]: _rate(r, None) for r in systems.values()}}
     for n in batches:
         panels[f"decode batch {n}"] = {r["label"]: _rate(r, n) for r in systems.values()}
     jpath = save_json(os.path.join(out_dir, "engine.json"), data)
     ppath = save_bar_panels(os.path.join(out_dir, "engine.png"), panels, ylabel="tok/s",
-                            title=f"{data['conditions']['model']} on {data['conditions']['cpu']}, "
-                                  f"{data['conditions']['threads']} threads ({data['conditions']['date']})")
+                            title=f"{cond['model']} on {cond['cpu']} [{cond.get('cpu_family', '?')}], "
+                                  f"{cond['threads']} threads ({cond['date']})")
     parts.append(f"saved {jpath} and {ppath}")
     return "\n".join(parts)
 
@@ -500,18 +665,47 @@ def fmt_pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
+def _info_text(info: dict) -> str:
+    """A system's info as one line of k=v; nested dicts (ours' settings and numerics plan) as k={k=v ...}, without
+    the CPU model and family (the conditions name them)."""
+    def val(v) -> str:
+        if isinstance(v, dict):
+            return "{" + " ".join(f"{k}={x}" for k, x in v.items() if k not in ("cpu_model", "cpu_family")) + "}"
+        return str(v)
+
+    return " ".join(f"{k}={val(v)}" for k, v in info.items())
+
+
+def _choices(field: str) -> list[str]:
+    """The allowed values of a Literal EngineSettings field."""
+    import typing
+
+    from parrot.engine.settings import EngineSettings
+
+    return list(typing.get_args(EngineSettings.model_fields[field].annotation))
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m parrot.bench.engine", description=__doc__.split("\n")[0])
     csv = lambda s: [x for x in s.split(",") if x]  # noqa: E731
     p.add_argument("--systems", type=csv, default=["ours", "hf", "llamacpp"], help="ours,hf,llamacpp")
     p.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="ours' compute dtype")
-    p.add_argument("--weight-quant", default=None, help="ours' decode weights (EngineSettings.weight_quant; "
-                                                       "default: the engine's default)")
+    p.add_argument("--cpu-path", default="auto", choices=_choices("cpu_path"),
+                   help="ours' CPU kernel family (EngineSettings.cpu_path; auto = the fastest this CPU runs)")
+    p.add_argument("--dtype", default="auto", choices=_choices("dtype"),
+                   help="ours' compute dtype (auto = the CPU path's)")
+    p.add_argument("--weight-quant", default="auto", choices=_choices("weight_quant"),
+                   help="ours' weights (EngineSettings.weight_quant)")
+    p.add_argument("--act-quant", default="auto", choices=_choices("act_quant"),
+                   help="ours' integer-dot activations (EngineSettings.act_quant; avx512 / avx2 paths)")
+    p.add_argument("--ours-variants", default="default",
+                   help="comma-separated ours variants, each run in its own worker: 'default' or '+'-joined "
+                        "EngineSettings overrides on top of the flags above, e.g. "
+                        "default,act_quant=int8,cpu_path=avx2+act_quant=int8")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true",
-                   help="2 prefill / 1 decode repeats, smaller machine-peak sizes")
+                   help="2 prefill / 1 decode repeats, smaller machine-peak sizes (1024 matmuls, 512 MiB read, "
+                        "0.25 s int8 loop runs)")
     p.add_argument("--out", default="bench_out/engine", help="dir for engine.json / engine.png")
     p.add_argument("--quant-dir", default="bench_out/models",
                    help="cache of peer model files: requantized GGUFs, HF safetensors copies")
@@ -533,17 +727,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prep-out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--hf-dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    from pydantic import ValidationError
-
     from parrot.bench.peers import LLAMA_QUANTS
-    from parrot.engine.settings import EngineSettings
 
-    if args.weight_quant is None:
-        args.weight_quant = EngineSettings().weight_quant
     try:
-        EngineSettings(dtype=args.dtype, weight_quant=args.weight_quant)
-    except ValidationError as e:
-        p.error(f"--dtype/--weight-quant: {e.errors()[0]['msg']}")
+        args.ours_workers = parse_ours_variants(args.ours_variants, _ours_base(args))
+    except ValueError as e:
+        p.error(f"--ours-variants: {e}")
 
     if min(args.batches, default=0) < 1 or args.decode_tokens < 2 or args.context_tokens < 1 or args.threads < 1:
         p.error("--batches must be >= 1, --decode-tokens >= 2, --context-tokens >= 1, --threads >= 1")

@@ -1,8 +1,10 @@
-"""Machine peak: matmul GFLOP/s (bf16, fp32) and memory read GB/s, measured with torch on this CPU.
+"""Machine peak: matmul GFLOP/s (bf16, fp32) and memory read GB/s measured with torch on this CPU, and the int8
+dot-product GOPS of a synthetic VPMADDUBSW loop (kernels/peak.cpp, when the native kernel library is built).
 
-These are the denominators of "share of peak": a benchmark's useful FLOP/s over the bf16 matmul peak, and the
-bytes a decode step must stream over the memory read bandwidth. Each measure is the best of ``repeats`` timed
-runs after one warm-up (best, not median: a peak is what the hardware can do, noise only lowers it).
+These are the denominators of "share of peak": a benchmark's useful FLOP/s over the bf16 / fp32 matmul peaks and
+the int8 dot-product peak (a FLOP counts as an op), and the bytes a decode step must stream over the memory read
+bandwidth. Each measure is the best of ``repeats`` timed runs after one warm-up (best, not median: a peak is what
+the hardware can do, noise only lowers it).
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ _DTYPES = ("bfloat16", "float32")
 @dataclass(frozen=True)
 class MachinePeak:
     threads: int
-    bf16_matmul_gflops: float
+    bf16_matmul_gflops: float | None  # None on a CPU without bf16 dot products (torch emulates them: ~1 GFLOP/s)
     fp32_matmul_gflops: float
     mem_read_gbs: float
     matmul_n: int  # square matrix side used for the matmul peaks
     mem_read_mib: int  # size of the tensor summed for the bandwidth peak (well above the L3 cache)
+    int8_dot_gops: float | None = None  # synthetic VPMADDUBSW loop (None: kernel library not built, or no AVX2)
+    int8_dot_seconds: float | None = None  # length of each timed run of that loop
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -71,31 +75,52 @@ def memory_read_gbs(mib: int, repeats: int = 5) -> float:
     return x.numel() * 4 / secs / 1e9
 
 
-def measure_peak(threads: int, *, matmul_n: int = 2048, mem_mib: int = 1024, repeats: int = 5) -> MachinePeak:
-    """Set torch's intra-op threads to ``threads`` and measure all three peaks."""
+def int8_dot_gops(seconds: float = 1.0, repeats: int = 3) -> float | None:
+    """GOPS of the native int8 dot-product peak loop (``torch.ops.parrot_kernels.int8_dot_peak_gops``: VPMADDUBSW
+    chains on all of torch's intra-op threads for ``seconds`` each run, 2 ops per u8 x s8 multiply-add); the best
+    of ``repeats`` runs after a short warm-up. None when the kernel library is not built (``python -m
+    parrot.engine.kernels``), has no such op, or the op raises (built without AVX2)."""
+    from parrot.engine.kernels import KernelBuildError, load_kernels
+
+    if seconds <= 0:
+        raise ValueError(f"seconds must be > 0, got {seconds}")
+    try:
+        ops = load_kernels(build_if_missing=False)
+        if ops is None or not hasattr(ops, "int8_dot_peak_gops"):
+            return None
+        ops.int8_dot_peak_gops(min(0.1, seconds))  # warm-up: thread pool start, clock ramp
+        return max(ops.int8_dot_peak_gops(seconds) for _ in range(max(1, repeats)))
+    except (KernelBuildError, OSError, RuntimeError):
+        return None
+
+
+def measure_peak(threads: int, *, matmul_n: int = 2048, mem_mib: int = 1024, repeats: int = 5,
+                 int8_seconds: float = 0.5) -> MachinePeak:
+    """Set torch's intra-op threads to ``threads`` and measure all the peaks (the int8 loop runs ``int8_seconds``
+    per timed run, ``min(repeats, 3)`` runs)."""
     import torch
 
+    from parrot.engine.cpu import CpuPath, probe_cpu
+
     torch.set_num_threads(threads)
+    has_bf16 = CpuPath.AVX512_BF16 in probe_cpu().paths()
     return MachinePeak(
         threads=threads,
-        bf16_matmul_gflops=matmul_gflops("bfloat16", matmul_n, repeats),
+        bf16_matmul_gflops=matmul_gflops("bfloat16", matmul_n, repeats) if has_bf16 else None,
         fp32_matmul_gflops=matmul_gflops("float32", matmul_n, repeats),
         mem_read_gbs=memory_read_gbs(mem_mib, repeats),
         matmul_n=matmul_n,
         mem_read_mib=mem_mib,
+        int8_dot_gops=int8_dot_gops(int8_seconds, min(repeats, 3)),
+        int8_dot_seconds=int8_seconds,
     )
 
 
 def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (falls back to platform.processor())."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    """The CPU's model name (parrot.engine.cpu's probe: /proc/cpuinfo, else platform.processor())."""
+    from parrot.engine.cpu import probe_cpu
+
+    return probe_cpu().model
 
 
 def _version(package: str) -> str:

@@ -8,10 +8,13 @@ import os
 import torch
 
 from parrot.engine.config import ModelConfig
+from parrot.engine.cpu import CpuPath, probe_cpu
 from parrot.engine.engine import EngineThread, LLMEngine
 from parrot.engine.kv_cache.block_pool import BlockPool
+from parrot.engine.layers.qdot import qdot_kernel
 from parrot.engine.local_client import LocalEngineClient
 from parrot.engine.model_files import resolve_model_path
+from parrot.engine.numerics import KernelSupport, NumericsPlan, choose_path, make_plan
 from parrot.engine.runner import ModelRunner
 from parrot.engine.sampler import Sampler
 from parrot.engine.scheduler.scheduler import Scheduler
@@ -19,7 +22,7 @@ from parrot.engine.settings import EngineSettings
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 # EngineSettings.random_model="tiny" (tests only: engine processes that start in a second and compute fast).
 # The head is untied: a random tied head would just echo the last input token.
@@ -47,20 +50,26 @@ def build_engine(settings: EngineSettings, *, model=None, tokenizer=None) -> LLM
 def _assemble(settings: EngineSettings, model, tokenizer, thread: EngineThread) -> LLMEngine:
     if settings.num_threads:
         torch.set_num_threads(settings.num_threads)
+    native = _native_ops(settings)
+    plan = numerics_plan(settings, native)
+    log.info("engine %s: %s", settings.name, plan.describe())
+    dtype = _DTYPES[plan.dtype]
+    qdot = qdot_kernel(plan.qdot_variant, plan.act_terms) if plan.qdot_variant else None
     if model is None and settings.random_model == "tiny":
         from parrot.engine.models.llama import build_random_model
         from parrot.engine.tokenizer import load_tokenizer
 
-        model = build_random_model(TINY_RANDOM_CONFIG, dtype=_DTYPES[settings.dtype], device=settings.device,
-                                   seed=settings.seed)
+        # dense weights as ever on the bf16 / torch paths; the integer-dot paths run their kernel (Q8_0 planes)
+        model = build_random_model(TINY_RANDOM_CONFIG, dtype=dtype, device=settings.device, seed=settings.seed,
+                                   weight_quant=plan.weight_quant if qdot is not None else "none", qdot=qdot)
         tokenizer = load_tokenizer(resolve_model_path(None))
     if model is None:
         from parrot.engine.models.llama import load_model
         from parrot.engine.tokenizer import load_tokenizer
 
         path = resolve_model_path(settings.model)
-        model = load_model(path, dtype=_DTYPES[settings.dtype], device=settings.device,
-                           weight_quant=settings.resolved_weight_quant)
+        model = load_model(path, dtype=dtype, device=settings.device, weight_quant=plan.weight_quant, qdot=qdot,
+                           vnni_backend=plan.vnni_backend)
         tokenizer = load_tokenizer(path)
         model_name = os.path.basename(path.rstrip("/"))
     else:
@@ -68,36 +77,58 @@ def _assemble(settings: EngineSettings, model, tokenizer, thread: EngineThread) 
     cfg = model.config
     max_len = min(settings.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     bs = settings.block_size
+    kv_dtype = _DTYPES[plan.kv_dtype]
     if settings.kv_cache_tokens is not None:
         num_blocks = -(-settings.kv_cache_tokens // bs)
     else:
-        elem = torch.tensor([], dtype=_DTYPES[settings.dtype]).element_size()
+        elem = torch.tensor([], dtype=kv_dtype).element_size()
         num_blocks = max(1, settings.kv_cache_bytes // ModelRunner.kv_bytes_per_block(cfg, bs, elem))
     pool = BlockPool(num_blocks, bs, enable_prefix_cache=settings.enable_prefix_cache)
     sampler = Sampler(tokenizer.eos_token_ids, base_seed=settings.seed)
-    native = _native_ops(settings)
-    if model.use_fused_ops(native):  # None (or a float32 model) keeps / restores the torch path
+    ops = native if plan.native_ops else None
+    if model.use_fused_ops(ops):  # None keeps / restores the torch path
         log.info("engine %s: native fused norm / SwiGLU ops in use", settings.name)
-    linears = model.use_native(native is not None)
-    vnni = [m.vnni for m in linears if m.vnni is not None]
-    if vnni:
-        log.info("engine %s: native %s matmul for up to %d rows in %d of %d linear layers", settings.name,
-                 vnni[0].backend, vnni[0].max_rows, len(vnni), len(linears))
-    int4 = [m.int4 for m in linears if m.int4 is not None]
-    if int4:
-        log.info("engine %s: native int4 matmul for up to %d rows in %d of %d linear layers", settings.name,
-                 int4[0].max_rows, len(int4), len(linears))
-    # the native causal prefill: AVX512-BF16 and whole 32-wide head-dim panels (PagedAttention: bf16 models only)
-    prefill = (native.causal_prefill if native is not None and native.prefill_attention_available()
-               and cfg.head_dim % 32 == 0 else None)
+    linears = model.use_native(ops is not None)
+    for kind, kernels in (("vnni", [m.vnni for m in linears if getattr(m, "vnni", None) is not None]),
+                          ("int4", [m.int4 for m in linears if getattr(m, "int4", None) is not None]),
+                          ("qdot", [m.qdot for m in linears if getattr(m, "qdot", None) is not None])):
+        if kernels:
+            log.info("engine %s: native %s matmul in %d of %d linear layers", settings.name, kind, len(kernels),
+                     len(linears))
+    # the native causal prefill for the model's dtype (bf16: AVX512-BF16, fp32: AVX2), whole 32-wide head-dim panels
+    prefill_here = ops is not None and cfg.head_dim % 32 == 0 and (
+        ops.prefill_attention_available() if model.dtype == torch.bfloat16
+        else model.dtype == torch.float32 and ops.prefill_attention_fp32_available())
+    prefill = ops.causal_prefill if prefill_here else None
     runner = ModelRunner(model, num_blocks, bs, sampler, shared_prefix_attention=settings.shared_prefix_attention,
-                         decode_kernel=None if native is None else native.paged_decode, prefill_kernel=prefill)
+                         decode_kernel=None if ops is None else ops.paged_decode, prefill_kernel=prefill,
+                         kv_dtype=kv_dtype)
     scheduler = Scheduler(pool, settings.max_num_seqs, settings.max_batch_tokens)
     engine = LLMEngine(name=settings.name, model_name=model_name, runner=runner, pool=pool, scheduler=scheduler,
-                       tokenizer=tokenizer, max_model_len=max_len, thread=thread)
-    log.info("engine %s: model %s, %s, KV pool %d blocks x %d tokens, window %d", settings.name, model_name,
-             settings.dtype, num_blocks, bs, max_len)
+                       tokenizer=tokenizer, max_model_len=max_len, thread=thread, numerics=plan.to_dict())
+    log.info("engine %s: model %s, KV pool %d blocks x %d tokens (%s), window %d", settings.name, model_name,
+             num_blocks, bs, plan.kv_dtype, max_len)
     return engine
+
+
+def numerics_plan(settings: EngineSettings, native) -> NumericsPlan:
+    """The engine's numerics plan (parrot.engine.numerics) from the settings, this CPU and the kernel library
+    ``native`` (None: not built or turned off). Raises ValueError (PathUnavailable) for a forced path that cannot
+    run here."""
+    cpu = probe_cpu()
+    if settings.device != "cpu":  # CUDA: torch's kernels in the requested dtype (bf16 by default)
+        dtype = settings.dtype if settings.dtype != "auto" else "bfloat16"
+        return NumericsPlan(path=CpuPath.PORTABLE, cpu_model=cpu.model, cpu_family=f"{settings.device}", dtype=dtype,
+                            kv_dtype=settings.kv_dtype if settings.kv_dtype != "auto" else dtype,
+                            weight_quant=settings.weight_quant if settings.weight_quant != "auto" else "none",
+                            matmul="torch", native_ops=False)
+    support = KernelSupport()
+    if native is not None:
+        support = KernelSupport(built=True, vnni_backends=tuple(native.vnni_backends()),
+                                qdot_variants=tuple(native.qdot_variants()))
+    path = choose_path(settings.cpu_path, cpu, support)
+    return make_plan(path, cpu, dtype=settings.dtype, kv_dtype=settings.kv_dtype, weight_quant=settings.weight_quant,
+                     act_quant=settings.act_quant, native=native is not None)
 
 
 def _native_ops(settings: EngineSettings):

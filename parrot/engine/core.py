@@ -79,10 +79,13 @@ class EngineCore(abc.ABC):
     """The engine state machine. Subclasses supply the owner: how a command reaches it and the future type."""
 
     def __init__(self, *, name: str, model_name: str, runner: StepRunner, pool: BlockPool, scheduler: Scheduler,
-                 tokenizer, max_model_len: int, clock: Callable[[], float], cached_status: bool) -> None:
+                 tokenizer, max_model_len: int, clock: Callable[[], float], cached_status: bool,
+                 numerics: dict | None = None) -> None:
         """``cached_status``: callers run on other threads than the owner, so :meth:`status` answers the snapshot
-        the owner takes after each turn and each status-changing command; otherwise it snapshots on call."""
+        the owner takes after each turn and each status-changing command; otherwise it snapshots on call.
+        ``numerics``: how the runner computes (NumericsPlan.to_dict()), reported in status and model info."""
         self.name = name
+        self.numerics = dict(numerics or {})
         self.model_name = model_name
         self.runner = runner
         self.pool = pool
@@ -435,7 +438,8 @@ class EngineCore(abc.ABC):
                    "prefix_cache_hit_blocks": self.pool.num_hit_blocks,
                    "shared_prefix_decode_rows": self.runner.num_shared_prefix_rows,
                    "pinned_blocks": self.pool.num_pinned, "kv_blocks_evicted": self.pool.num_evicted,
-                   "token_cap": sch.token_cap, "step_stats": self.step_stats.to_wire()},
+                   "token_cap": sch.token_cap, "step_stats": self.step_stats.to_wire(),
+                   **({"numerics": self.numerics} if self.numerics else {})},
         )
 
 

@@ -70,13 +70,13 @@ class EngineThread:
 class LLMEngine(EngineCore):
     def __init__(
         self, *, name: str, model_name: str, runner: StepRunner, pool: BlockPool, scheduler: Scheduler,
-        tokenizer, max_model_len: int, thread: EngineThread,
+        tokenizer, max_model_len: int, thread: EngineThread, numerics: dict | None = None,
     ) -> None:
         """``runner`` is the torch :class:`~parrot.engine.runner.ModelRunner`, built by the engine builder on
         ``thread``, which then runs the loop."""
         super().__init__(name=name, model_name=model_name, runner=runner, pool=pool, scheduler=scheduler,
                          tokenizer=tokenizer, max_model_len=max_model_len, clock=time.monotonic,
-                         cached_status=True)
+                         cached_status=True, numerics=numerics)
         self._cmds: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = thread

@@ -34,7 +34,7 @@ class LocalEngineClient(EngineClient):
         self._info = ModelInfo(
             name=engine.model_name, max_model_len=engine.max_model_len, vocab_size=tok.vocab_size,
             bos_token_id=tok.bos_token_id, eos_token_ids=tuple(tok.eos_token_ids), chat_template=tok.chat_template,
-            add_bos=bool(getattr(tok, "add_bos", False)),
+            add_bos=bool(getattr(tok, "add_bos", False)), numerics=dict(engine.numerics),
         )
 
     async def fill(self, token_ids: list[int], context_id: str, parent_context_id: str | None = None) -> FillResult:

@@ -25,17 +25,19 @@ from parrot.engine.scheduler.scheduler import BatchPlan, Chunk
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, sampler: Sampler, *,
                  shared_prefix_attention: bool = True, min_shared_tokens: int = 32,
-                 decode_kernel: Callable | None = None, prefill_kernel: Callable | None = None) -> None:
+                 decode_kernel: Callable | None = None, prefill_kernel: Callable | None = None,
+                 kv_dtype: torch.dtype | None = None) -> None:
         cfg = model.config
         self.model = model
         self.sampler = sampler
         self.block_size = block_size
         self.device = model.device
         self.dtype = model.dtype
+        self.kv_dtype = kv_dtype or model.dtype  # KV storage; attention computes in the model's dtype
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+             torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
             for _ in range(cfg.num_layers)
         ]
         self.scale = cfg.head_dim ** -0.5

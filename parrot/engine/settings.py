@@ -15,14 +15,34 @@ class EngineSettings(BaseSettings):
 
     name: str = Field("engine-0", description="engine name reported to the manager and in /status")
     model: str | None = Field(None, description="GGUF file or HF safetensors dir; None = SmolLM2-135M default")
-    dtype: Literal["bfloat16", "float32"] = Field(
-        "bfloat16", description="compute dtype; bf16 uses the CPU's AMX/AVX512-BF16 matmul and is the default"
+    cpu_path: Literal["auto", "amx", "avx512_bf16", "avx512", "avx2", "portable"] = Field(
+        "auto",
+        description="CPU kernel family (parrot.engine.cpu): auto = the fastest this CPU and kernel build run; a "
+        "forced path the CPU cannot run fails at start naming the missing features. amx / avx512_bf16: bf16 "
+        "compute; avx512 / avx2: fp32 compute with int8 x 4-bit integer-dot matmuls and an fp16 KV cache; "
+        "portable: fp32 on torch's kernels (aarch64 and anything else)",
+    )
+    dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto", description="compute dtype; auto = the CPU path's (bf16 on amx / avx512_bf16, else fp32; "
+        "bf16 on CUDA)"
+    )
+    kv_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="KV cache storage; auto = fp16 on the integer-dot paths (fp32 compute), else the "
+        "compute dtype"
     )
     weight_quant: Literal["auto", "none", "int8", "int4"] = Field(
         "auto",
-        description="weight-only kernels for small token counts (decode), dense GEMM for prefill: int4 = group-32 "
-        "(exact for Q4_1 GGUFs, bf16 on CPU only; the output head then runs as Q8_0, exact for a Q8_0 head, at 1-2 "
-        "rows), int8 = per-row; none = dense always; auto = int4 for bf16 on CPU, else none",
+        description="weights: on amx / avx512_bf16, int4 = group-32 weight-only kernels for decode-sized batches "
+        "(exact for Q4_1 GGUFs; the output head runs as Q8_0) and int8 = per-row, dense GEMM for prefill; on avx512 "
+        "/ avx2 the integer-dot kernel runs every row count with int4 = 4-bit codes, int8 = Q8_0; none = dense "
+        "always; auto = int4 on the bf16 paths, and on the integer-dot paths each tensor in its GGUF's own codes "
+        "(Q4_0 / Q4_1 as 4-bit, everything else as Q8_0)",
+    )
+    act_quant: Literal["auto", "int8", "int8x2"] = Field(
+        "auto",
+        description="activations of the integer-dot matmuls (avx512 / avx2 paths), per group of 32: int8x2 = two "
+        "int8 terms (~16 bits: greedy tokens as fp32's), int8 = one (llama.cpp's numerics: ~1.8x the matmul speed, "
+        "logits ~5x noisier than bf16 activations); auto = int8x2",
     )
     device: str = Field("cpu", description="'cpu' or 'cuda' (CUDA when present)")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads; None = all cores")
@@ -43,21 +63,14 @@ class EngineSettings(BaseSettings):
     attention_kernel: Literal["auto", "native", "torch"] = Field(
         "auto",
         description="native CPU kernels: native = the C++ library (paged-decode attention reading KV blocks in "
-        "place, causal prefill attention, fused norm / SwiGLU ops, the AMX / AVX512-BF16 matmul for decode-sized "
-        "batches; built by `python -m parrot.engine.kernels`, "
-        "error if unavailable), torch = pure torch (gather + SDPA, torch norms, oneDNN matmuls), auto = native on "
-        "the CPU when built, else torch",
+        "place, causal prefill attention, fused norm / SwiGLU ops, the AMX / AVX512-BF16 and integer-dot matmuls; "
+        "built by `python -m parrot.engine.kernels`, error if unavailable), torch = pure torch (gather + SDPA, "
+        "torch norms, oneDNN matmuls), auto = native on the CPU when built, else torch",
     )
     seed: int = Field(0, description="base seed for sampling without an explicit per-request seed")
     random_model: Literal["tiny"] | None = Field(
         None, description="TESTS ONLY: a tiny random-weight LLaMA with the default tokenizer instead of `model`",
         json_schema_extra={"hidden": True})
-
-    @property
-    def resolved_weight_quant(self) -> str:
-        if self.weight_quant != "auto":
-            return self.weight_quant
-        return "int4" if self.dtype == "bfloat16" and self.device == "cpu" else "none"
 
     @model_validator(mode="after")
     def _check(self) -> "EngineSettings":

@@ -205,6 +205,11 @@ class EngineRegistry:
                 seen.setdefault(e.info.name, e.info)
         return list(seen.values())
 
+    def numerics_of(self, model: str) -> dict[str, dict]:
+        """Engine name -> how it computes (ModelInfo.numerics) for the engines serving ``model`` that say so."""
+        return {name: e.info.numerics for name, e in sorted(self._entries.items())
+                if e.info is not None and e.info.name == model and e.info.numerics}
+
     def candidates(self, models: Sequence[str] = ()) -> list[EngineEntry]:
         """Live engines serving one of ``models`` (any model if empty).
 

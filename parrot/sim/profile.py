@@ -118,11 +118,11 @@ def profile_engine(settings=None, plan: ProfilePlan = ProfilePlan(), seed: int =
             "generated_by": "parrot profile (parrot.sim.profile.profile_engine): least-squares fit, relative error "
                             "weighting, non-negative coefficients",
             "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, torch "
-                       f"{torch.__version__} threads {torch.get_num_threads()}".strip(),
-            "engine": f"builtin engine, model {engine.model_name}, dtype {settings.dtype}, weight_quant "
-                      f"{settings.resolved_weight_quant}, block {engine.pool.block_size}, max_batch_tokens "
-                      f"{engine.scheduler.max_batch_tokens}",
+            "machine": f"{engine.numerics.get('cpu_model', platform.processor() or platform.machine())} "
+                       f"[{engine.numerics.get('cpu_family', '?')}], {os.cpu_count()} cores, torch "
+                       f"{torch.__version__} threads {torch.get_num_threads()}",
+            "engine": f"builtin engine, model {engine.model_name}, numerics {engine.numerics}, block "
+                      f"{engine.pool.block_size}, max_batch_tokens {engine.scheduler.max_batch_tokens}",
             "plan": repr(plan),
             "load_average": f"{load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after (1 min; samples are "
                             "slower when other processes run)",

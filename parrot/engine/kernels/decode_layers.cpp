@@ -13,19 +13,26 @@
 // model's forward took 3.5 ms against ~2.1 ms of kernel time; with this op 2.7 ms). Here the kernels are called
 // through the dispatcher from C++, one Python call per step.
 //
-// linear(x, w) runs the kernel the packed weight belongs to: uint8 [N/16, K/32, 320] = int4_linear
-// (int4_gemm.cpp), bf16 [N/32, K/32, 2, 16, 16, 2] = vnni_linear on ``backend`` (vnni_gemm.cpp). The caller picks
-// per layer which form runs for T rows (FastLinear.native_weight), so the results equal the per-op path's.
+// linear(x, w) runs the kernel the packed weight belongs to: uint8 [N/16, K/32, P * 320] = int4_linear
+// (int4_gemm.cpp), uint8 [N/8, K/32, P, 160] = qdot_linear with variant ``backend`` (qdot_gemm.cpp), bf16
+// [N/32, K/32, 2, 16, 16, 2] = vnni_linear on ``backend`` (vnni_gemm.cpp). The caller picks per layer which form
+// runs for T rows (Linear.native_weight), so the results equal the per-op path's; ``act_terms`` is the qdot
+// kernel's activation precision (1 or 2 int8 terms, qdot_gemm.cpp), unused by the other kernels.
+//
+// The compute dtype (x, h's updates, the matmul outputs) is bfloat16 or float32; the KV caches may be stored in
+// another dtype (float32, bfloat16 or float16: the new rows are converted as they are written).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <cstdint>
 #include <cstring>
 #include <string>
 #include <tuple>
+#include <type_traits>
 
 namespace {
 
@@ -39,6 +46,8 @@ struct Ops {
       op<at::Tensor(const at::Tensor&, const at::Tensor&)>("parrot_kernels::int4_linear");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view)> vnni_linear =
       op<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view)>("parrot_kernels::vnni_linear");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view, int64_t)> qdot_linear =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view, int64_t)>("parrot_kernels::qdot_linear");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&)> rope =
       op<at::Tensor(const at::Tensor&, const at::Tensor&)>("parrot_kernels::rope");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul =
@@ -58,35 +67,57 @@ const Ops& ops() {
   return o;
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, c10::string_view backend) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, c10::string_view backend, int64_t terms) {
+  if (w.scalar_type() == at::kByte && w.dim() == 4)
+    return ops().qdot_linear.call(x, w, backend, terms);
   if (w.scalar_type() == at::kByte) return ops().int4_linear.call(x, w);
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 6,
-              "decode_layers: a weight must be int4_pack'ed (uint8) or vnni_pack'ed (bfloat16)");
+              "decode_layers: a weight must be int4_pack'ed / qdot_pack'ed (uint8) or vnni_pack'ed (bfloat16)");
   return ops().vnni_linear.call(x, w, backend);
 }
 
-// k_cache[slot[t]] = k[t] (rows of KVH * D elements; k / v may be row-strided views)
-void write_rows(at::Tensor& cache, const at::Tensor& src, const int64_t* slots, int64_t T) {
+// k_cache[slot[t]] = k[t] (rows of KVH * D elements; k / v may be row-strided views), converted to the cache's dtype
+template <typename S, typename C>
+void write_rows_as(at::Tensor& cache, const at::Tensor& src, const int64_t* slots, int64_t T) {
   const int64_t row = cache.size(2) * cache.size(3), nslots = cache.size(0) * cache.size(1);
-  auto* dst = cache.mutable_data_ptr<c10::BFloat16>();
-  const auto* s = src.const_data_ptr<c10::BFloat16>();
+  C* dst = cache.mutable_data_ptr<C>();
+  const S* s = src.const_data_ptr<S>();
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(slots[t] >= 0 && slots[t] < nslots, "decode_layers: slot ", slots[t], " outside the KV pool");
-    std::memcpy(dst + slots[t] * row, s + t * src.stride(0), row * sizeof(c10::BFloat16));
+    if constexpr (std::is_same_v<S, C>) {
+      std::memcpy(dst + slots[t] * row, s + t * src.stride(0), row * sizeof(C));
+    } else {
+      for (int64_t i = 0; i < row; ++i) dst[slots[t] * row + i] = static_cast<C>(static_cast<float>(s[t * src.stride(0) + i]));
+    }
   }
+}
+
+template <typename S>
+void write_rows_from(at::Tensor& cache, const at::Tensor& src, const int64_t* slots, int64_t T) {
+  switch (cache.scalar_type()) {
+    case at::kFloat: write_rows_as<S, float>(cache, src, slots, T); break;
+    case at::kBFloat16: write_rows_as<S, c10::BFloat16>(cache, src, slots, T); break;
+    case at::kHalf: write_rows_as<S, c10::Half>(cache, src, slots, T); break;
+    default: TORCH_CHECK(false, "decode_layers: caches must be float32, bfloat16 or float16");
+  }
+}
+
+void write_rows(at::Tensor& cache, const at::Tensor& src, const int64_t* slots, int64_t T) {
+  if (src.scalar_type() == at::kFloat) write_rows_from<float>(cache, src, slots, T);
+  else write_rows_from<c10::BFloat16>(cache, src, slots, T);
 }
 
 at::Tensor layer(at::Tensor& h, const at::Tensor& x, const at::Tensor& rot, const at::Tensor& qkv_w,
                  const at::Tensor& o_w, const at::Tensor& gate_up_w, const at::Tensor& down_w,
                  const at::Tensor& post_norm, const at::Tensor& next_norm, double eps, at::Tensor& k_cache,
                  at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& lens,
-                 double scale, int64_t H, c10::string_view backend) {
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kBFloat16 && k_cache.is_contiguous() &&
-                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.is_contiguous(),
-              "decode_layers: caches must be contiguous bfloat16 [blocks, block_size, kv_heads, head_dim]");
+                 double scale, int64_t H, c10::string_view backend, int64_t terms) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == k_cache.scalar_type() && v_cache.is_contiguous(),
+              "decode_layers: caches must be contiguous [blocks, block_size, kv_heads, head_dim] of one dtype");
+  const at::ScalarType dtype = x.scalar_type();
   const int64_t T = x.size(0), KVH = k_cache.size(2), D = k_cache.size(3);
-  const at::Tensor qkv = linear(x, qkv_w, backend);
+  const at::Tensor qkv = linear(x, qkv_w, backend, terms);
   TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "decode_layers: qkv has ", qkv.size(1), " columns, expected ",
               (H + 2 * KVH) * D);
   const at::Tensor qk = ops().rope.call(qkv.narrow(1, 0, (H + KVH) * D).view({T, H + KVH, D}), rot);
@@ -96,9 +127,10 @@ at::Tensor layer(at::Tensor& h, const at::Tensor& x, const at::Tensor& rot, cons
   const at::Tensor attn = std::get<0>(ops().paged_decode.call(qk.narrow(1, 0, H), k_cache, v_cache, tables, lens,
                                                                scale, false));
   const at::Tensor x2 =
-      ops().add_rms_norm_cast.call(h, linear(attn.view({T, H * D}), o_w, backend), post_norm, eps, at::kBFloat16);
-  const at::Tensor mlp = linear(ops().silu_mul.call(linear(x2, gate_up_w, backend)), down_w, backend);
-  return ops().add_rms_norm_cast.call(h, mlp, next_norm, eps, at::kBFloat16);
+      ops().add_rms_norm_cast.call(h, linear(attn.view({T, H * D}), o_w, backend, terms), post_norm, eps, dtype);
+  const at::Tensor mlp =
+      linear(ops().silu_mul.call(linear(x2, gate_up_w, backend, terms)), down_w, backend, terms);
+  return ops().add_rms_norm_cast.call(h, mlp, next_norm, eps, dtype);
 }
 
 // layers [0, L): weights, norms and caches are per-layer lists (next_norms[i] = the norm after layer i: layer
@@ -107,19 +139,21 @@ at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x, const at::Tensor& r
                          at::TensorList o_w, at::TensorList gate_up_w, at::TensorList down_w,
                          at::TensorList post_norms, at::TensorList next_norms, double eps, at::TensorList k_caches,
                          at::TensorList v_caches, const at::Tensor& slots, const at::Tensor& tables,
-                         const at::Tensor& lens, double scale, int64_t num_heads, c10::string_view backend) {
+                         const at::Tensor& lens, double scale, int64_t num_heads, c10::string_view backend,
+                         int64_t act_terms) {
   const size_t L = qkv_w.size();
   TORCH_CHECK(o_w.size() == L && gate_up_w.size() == L && down_w.size() == L && post_norms.size() == L &&
                   next_norms.size() == L && k_caches.size() == L && v_caches.size() == L,
               "decode_layers: every per-layer list must have one entry per layer");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "decode_layers: x must be a bfloat16 [T, hidden]");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "decode_layers: x must be a bfloat16 or float32 [T, hidden]");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == x.size(0),
               "decode_layers: slots must be int64 [T]");
   at::Tensor out = x;
   for (size_t i = 0; i < L; ++i) {
     at::Tensor kc = k_caches[i], vc = v_caches[i];
     out = layer(h, out, rot, qkv_w[i], o_w[i], gate_up_w[i], down_w[i], post_norms[i], next_norms[i], eps, kc, vc,
-                slots, tables, lens, scale, num_heads, backend);
+                slots, tables, lens, scale, num_heads, backend, act_terms);
   }
   return out;
 }
@@ -129,8 +163,8 @@ at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x, const at::Tensor& r
 TORCH_LIBRARY_FRAGMENT(parrot_kernels, m) {
   m.def("decode_layers(Tensor(a!) h, Tensor x, Tensor rot, Tensor[] qkv_w, Tensor[] o_w, Tensor[] gate_up_w, "
         "Tensor[] down_w, Tensor[] post_norms, Tensor[] next_norms, float eps, Tensor(b!)[] k_caches, "
-        "Tensor(c!)[] v_caches, Tensor slots, Tensor tables, Tensor lens, float scale, int num_heads, str backend) "
-        "-> Tensor");
+        "Tensor(c!)[] v_caches, Tensor slots, Tensor tables, Tensor lens, float scale, int num_heads, str backend, "
+        "int act_terms) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(parrot_kernels, CPU, m) { m.impl("decode_layers", decode_layers); }

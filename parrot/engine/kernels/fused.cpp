@@ -40,6 +40,11 @@ inline T from_f(float x) { return static_cast<T>(x); }
 using parrot_kernels::exp512;
 using parrot_kernels::load16;
 using parrot_kernels::store16;
+#elif defined(PARROT_AVX2)
+using parrot_kernels::avx2::exp256;
+using parrot_kernels::avx2::hsum8;
+using parrot_kernels::avx2::load8;
+using parrot_kernels::avx2::store8;
 #endif
 
 // out[0, n) = x * inv * w
@@ -49,6 +54,9 @@ void scale_row(const float* x, const float* w, float inv, int64_t n, O* out) {
 #if defined(__AVX512F__)
   const __m512 iv = _mm512_set1_ps(inv);
   for (; i + 16 <= n; i += 16) store16(out + i, _mm512_mul_ps(_mm512_mul_ps(load16(x + i), iv), load16(w + i)));
+#elif defined(PARROT_AVX2)
+  const __m256 iv = _mm256_set1_ps(inv);
+  for (; i + 8 <= n; i += 8) store8(out + i, _mm256_mul_ps(_mm256_mul_ps(load8(x + i), iv), load8(w + i)));
 #endif
   for (; i < n; ++i) out[i] = from_f<O>(x[i] * inv * w[i]);
 }
@@ -65,6 +73,15 @@ inline float sum_squares(const float* x, int64_t n) {
   }
   for (; i + 16 <= n; i += 16) { const __m512 u = load16(x + i); a = _mm512_fmadd_ps(u, u, a); }
   s = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+#elif defined(PARROT_AVX2)
+  __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m256 u = load8(x + i), v = load8(x + i + 8);
+    a = _mm256_fmadd_ps(u, u, a);
+    b = _mm256_fmadd_ps(v, v, b);
+  }
+  for (; i + 8 <= n; i += 8) { const __m256 u = load8(x + i); a = _mm256_fmadd_ps(u, u, a); }
+  s = hsum8(_mm256_add_ps(a, b));
 #endif
   for (; i < n; ++i) s += x[i] * x[i];
   return s;
@@ -76,6 +93,8 @@ void add_row(float* h, const D* d, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
   for (; i + 16 <= n; i += 16) store16(h + i, _mm512_add_ps(load16(h + i), load16(d + i)));
+#elif defined(PARROT_AVX2)
+  for (; i + 8 <= n; i += 8) store8(h + i, _mm256_add_ps(load8(h + i), load8(d + i)));
 #endif
   for (; i < n; ++i) h[i] += to_f(d[i]);
 }
@@ -95,6 +114,18 @@ void silu_mul_row(const O* g, const O* u, int64_t n, O* out) {
     __m512 s = _mm512_mul_ps(x, r);
     s = _mm512_mask_mul_ps(s, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), x, _mm512_setzero_ps());
     store16(out + i, _mm512_mul_ps(s, load16(u + i)));
+  }
+#elif defined(PARROT_AVX2)
+  const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = load8(g + i);
+    // as above, with rcp (12 bits) and one Newton step (~2^-23)
+    const __m256 d = _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), x)));
+    __m256 r = _mm256_rcp_ps(d);
+    r = _mm256_mul_ps(r, _mm256_fnmadd_ps(d, r, two));
+    __m256 s = _mm256_mul_ps(x, r);
+    s = _mm256_blendv_ps(s, _mm256_mul_ps(x, _mm256_setzero_ps()), _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ));
+    store8(out + i, _mm256_mul_ps(s, load8(u + i)));
   }
 #endif
   for (; i < n; ++i) {
@@ -212,6 +243,13 @@ void rope_row(const T* x, const float* cs, int64_t D, T* out) {
     const __m512 c = _mm512_moveldup_ps(r), sn = _mm512_movehdup_ps(r);
     const __m512 sw = _mm512_permute_ps(v, 0xB1);
     store16(out + d, _mm512_fmaddsub_ps(v, c, _mm512_mul_ps(sw, sn)));  // even lanes: -, odd lanes: +
+  }
+#elif defined(PARROT_AVX2)
+  for (; d + 8 <= D; d += 8) {  // 4 pairs, as above
+    const __m256 v = load8(x + d), r = _mm256_loadu_ps(cs + d);
+    const __m256 c = _mm256_moveldup_ps(r), sn = _mm256_movehdup_ps(r);
+    const __m256 sw = _mm256_permute_ps(v, 0xB1);
+    store8(out + d, _mm256_fmaddsub_ps(v, c, _mm256_mul_ps(sw, sn)));
   }
 #endif
   for (; d < D; d += 2) {

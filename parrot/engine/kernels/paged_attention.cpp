@@ -7,7 +7,8 @@
 //                                       block block_tables[b][t / BS], row t % BS
 //     block_tables [B, MAXB] int32      only the first ceil(seq_lens[b] / BS) entries of a row are read
 //     seq_lens     [B] int32            tokens to attend, >= 1 (the new token's K/V is already written)
-//     out          [B, H, D]            in q's dtype
+//     out          [B, H, D]            in q's dtype (float32 or bfloat16; the caches may be float32, bfloat16 or
+//                                       float16 whatever q is)
 //     lse          [B, H] float32       log-sum-exp of the scaled scores (for merging partial attentions)
 //
 // Work item = (sequence b, KV heads [g0, g1)): the G query heads of a KV head share every K/V row load
@@ -21,6 +22,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -47,12 +49,13 @@ struct Problem {
 
 inline float to_f(float x) { return x; }
 inline float to_f(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_f(c10::Half x) { return static_cast<float>(x); }
 template <typename T>
 inline T from_f(float x) { return static_cast<T>(x); }
 
 // ---- portable path (any D) -------------------------------------------------------------------------------------
-template <typename T>
-void item_scalar(const Problem& p, const T* q, const T* kc, const T* vc, T* out, int64_t b, int64_t g,
+template <typename T, typename KT>
+void item_scalar(const Problem& p, const T* q, const KT* kc, const KT* vc, T* out, int64_t b, int64_t g,
                  std::vector<float>& buf) {
   const int64_t L = p.lens[b], G = p.G, D = p.D, BS = p.BS, row = p.KVH * D;
   const int32_t* table = p.tables + b * p.MAXB;
@@ -60,7 +63,7 @@ void item_scalar(const Problem& p, const T* q, const T* kc, const T* vc, T* out,
   float* s = buf.data();
   float* acc = s + G * L;
   for (int64_t t = 0; t < L; ++t) {
-    const T* k = kc + (static_cast<int64_t>(table[t / BS]) * BS + t % BS) * row + g * D;
+    const KT* k = kc + (static_cast<int64_t>(table[t / BS]) * BS + t % BS) * row + g * D;
     for (int64_t h = 0; h < G; ++h) {
       const T* qh = q + b * p.q_sb + (g * G + h) * p.q_sh;
       float dot = 0.f;
@@ -76,7 +79,7 @@ void item_scalar(const Problem& p, const T* q, const T* kc, const T* vc, T* out,
     if (p.lse) p.lse[b * p.H + g * G + h] = m + std::log(sum);
   }
   for (int64_t t = 0; t < L; ++t) {
-    const T* v = vc + (static_cast<int64_t>(table[t / BS]) * BS + t % BS) * row + g * D;
+    const KT* v = vc + (static_cast<int64_t>(table[t / BS]) * BS + t % BS) * row + g * D;
     for (int64_t h = 0; h < G; ++h)
       for (int64_t d = 0; d < D; ++d) acc[h * D + d] += s[h * L + t] * to_f(v[d]);
   }
@@ -377,11 +380,131 @@ void item_avx512(const Problem& p, const T* q, const T* kc, const T* vc, T* out,
 }
 #endif
 
-template <typename T>
+
+#if defined(PARROT_AVX2)
+// ---- AVX2 path: fp32 math, D a multiple of 32; K/V stored as fp32, bf16 or fp16 --------------------------------
+// Pass 1 takes 8 tokens at a time: per query head, 8 dot-product vectors (one per token, D / 8 FMAs each) folded
+// into one vector of 8 scores by fold8. Pass 2 keeps a tile of up to 3 query heads x 32 output dims in 12
+// accumulators and sweeps the tokens once per tile (the V row slice is re-read from L1 by each head of the tile).
+namespace v2 = parrot_kernels::avx2;
+
+// 8 vectors -> one: lane j = the sum of v[j]'s 8 lanes
+inline __m256 fold8(const __m256* v) {
+  const __m256 h01 = _mm256_hadd_ps(v[0], v[1]), h23 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 h45 = _mm256_hadd_ps(v[4], v[5]), h67 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 a = _mm256_hadd_ps(h01, h23), b = _mm256_hadd_ps(h45, h67);  // [0 1 2 3 | 0 1 2 3], [4..7 | 4..7]
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+template <typename KT>
+inline void prefetch_row(const KT* x, int64_t D) {
+  for (int64_t c = 0; c < D * static_cast<int64_t>(sizeof(KT)); c += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(x) + c, _MM_HINT_T0);
+}
+
+// out[h][32 c .. 32 c + 32) for heads [h0, h0 + HT) of KV head g: sum_t p[h][t] v_t (p normalized)
+template <int HT, typename KT>
+void pv_tile(const KT* vc, const int64_t* off, int64_t L, int64_t gD, const float* s, int64_t Lp, int64_t h0,
+             int64_t c, float* acc_out) {
+  __m256 acc[HT][4];
+  for (int h = 0; h < HT; ++h)
+    for (int i = 0; i < 4; ++i) acc[h][i] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < L; ++t) {
+    const KT* v = vc + off[t] + gD + 32 * c;
+    __m256 vv[4];
+    for (int i = 0; i < 4; ++i) vv[i] = v2::load8(v + 8 * i);
+    for (int h = 0; h < HT; ++h) {
+      const __m256 w = _mm256_broadcast_ss(s + (h0 + h) * Lp + t);
+      for (int i = 0; i < 4; ++i) acc[h][i] = _mm256_fmadd_ps(w, vv[i], acc[h][i]);
+    }
+  }
+  for (int h = 0; h < HT; ++h)
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(acc_out + h * 32 + 8 * i, acc[h][i]);
+}
+
+template <typename T, typename KT>
+void item_avx2(const Problem& p, const T* q, const KT* kc, const KT* vc, T* out, int64_t b, int64_t g0,
+               int64_t g1, std::vector<float>& buf, std::vector<int64_t>& offs) {
+  const int64_t L = p.lens[b], G = p.G, BS = p.BS, D = p.D, row = p.KVH * D, NV = D / 8;
+  const int32_t* table = p.tables + b * p.MAXB;
+  const int64_t Lp = (L + 7) & ~int64_t(7);
+  // scores [G, Lp], then the fp32 query heads of one KV head [G, D] (scaled) and a pass-2 tile [3, 32]
+  buf.resize(G * Lp + G * D + 3 * 32);
+  float* s = buf.data();
+  float* qf = s + G * Lp;
+  float* tile = qf + G * D;
+  offs.resize(L);
+  for (int64_t t0 = 0, i = 0; t0 < L; t0 += BS, ++i) {
+    const int64_t base = static_cast<int64_t>(table[i]) * BS * row;
+    for (int64_t j = 0; j < std::min(BS, L - t0); ++j) offs[t0 + j] = base + j * row;
+  }
+  const __m256 sc = _mm256_set1_ps(p.scale);
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t h = 0; h < G; ++h) {
+      const T* qh = q + b * p.q_sb + (g * G + h) * p.q_sh;
+      for (int64_t i = 0; i < NV; ++i) _mm256_storeu_ps(qf + h * D + 8 * i, _mm256_mul_ps(v2::load8(qh + 8 * i), sc));
+    }
+    // pass 1: scores, 8 tokens at a time (a short last chunk repeats its last row; the softmax masks the padding)
+    const KT* k[8];
+    for (int64_t t0 = 0; t0 < L; t0 += 8) {
+      const int64_t n = std::min<int64_t>(8, L - t0);
+      for (int64_t j = 0; j < 8; ++j) k[j] = kc + offs[t0 + std::min(j, n - 1)] + g * D;
+      if (t0 + 16 < L)
+        for (int64_t j = 0; j < std::min<int64_t>(8, L - t0 - 16); ++j) prefetch_row(kc + offs[t0 + 16 + j] + g * D, D);
+      for (int64_t h = 0; h < G; ++h) {
+        const float* qh = qf + h * D;
+        __m256 v[8];
+        for (int j = 0; j < 8; ++j) v[j] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < NV; ++i) {
+          const __m256 qv = _mm256_loadu_ps(qh + 8 * i);
+#pragma GCC unroll 8
+          for (int j = 0; j < 8; ++j) v[j] = _mm256_fmadd_ps(qv, v2::load8(k[j] + 8 * i), v[j]);
+        }
+        _mm256_storeu_ps(s + h * Lp + t0, fold8(v));
+      }
+    }
+    // softmax per head, in place, normalized; padding [L, Lp) -> 0
+    for (int64_t h = 0; h < G; ++h) {
+      float* sh = s + h * Lp;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t t = 0; t < L; ++t) m = std::max(m, sh[t]);
+      const __m256 mm = _mm256_set1_ps(m);
+      __m256 sv = _mm256_setzero_ps();
+      for (int64_t t = 0; t < Lp; t += 8) {
+        const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(t)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(L)), idx));
+        const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(sh + t), mm);
+        // below -87 e^x flushes to 0 like expf; lanes past L are padding
+        const __m256 keep = _mm256_and_ps(live, _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ));
+        const __m256 e = _mm256_and_ps(v2::exp256(x), keep);
+        _mm256_storeu_ps(sh + t, e);
+        sv = _mm256_add_ps(sv, e);
+      }
+      const float sum = v2::hsum8(sv);
+      const __m256 inv = _mm256_set1_ps(1.0f / sum);
+      for (int64_t t = 0; t < Lp; t += 8) _mm256_storeu_ps(sh + t, _mm256_mul_ps(_mm256_loadu_ps(sh + t), inv));
+      if (p.lse) p.lse[b * p.H + g * G + h] = m + std::log(sum);
+    }
+    // pass 2: tiles of <= 3 heads x 32 dims
+    for (int64_t c = 0; c < D / 32; ++c)
+      for (int64_t h0 = 0; h0 < G; h0 += 3) {
+        const int64_t ht = std::min<int64_t>(3, G - h0);
+        if (ht == 3) pv_tile<3>(vc, offs.data(), L, g * D, s, Lp, h0, c, tile);
+        else if (ht == 2) pv_tile<2>(vc, offs.data(), L, g * D, s, Lp, h0, c, tile);
+        else pv_tile<1>(vc, offs.data(), L, g * D, s, Lp, h0, c, tile);
+        for (int64_t h = 0; h < ht; ++h)
+          for (int i = 0; i < 4; ++i)
+            v2::store8(out + (b * p.H + g * G + h0 + h) * D + 32 * c + 8 * i, _mm256_loadu_ps(tile + h * 32 + 8 * i));
+      }
+  }
+}
+#endif
+
+template <typename T, typename KT>
 void run(const Problem& p, const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, at::Tensor& out) {
   const T* qp = q.const_data_ptr<T>();
-  const T* kp = kc.const_data_ptr<T>();
-  const T* vp = vc.const_data_ptr<T>();
+  const KT* kp = kc.const_data_ptr<KT>();
+  const KT* vp = vc.const_data_ptr<KT>();
   T* op = out.mutable_data_ptr<T>();
   // item = (sequence, KV heads): with enough sequences for every thread, a whole sequence (one forward sweep over
   // whole token rows; measured on Zen 4 as fast as three strided per-head sweeps, and fewer items), else one KV
@@ -395,13 +518,19 @@ void run(const Problem& p, const at::Tensor& q, const at::Tensor& kc, const at::
     for (int64_t it = begin; it < end; ++it) {
       const int64_t b = it / (p.KVH / per), g0 = it % (p.KVH / per) * per, g1 = g0 + per;
 #if defined(__AVX512F__)
-      if (p.G <= kMaxG) {
-        if (p.D == 64) { item_avx512<T, 4>(p, qp, kp, vp, op, b, g0, g1, buf, offs, wbuf); continue; }
-        if (p.D == 128) { item_avx512<T, 8>(p, qp, kp, vp, op, b, g0, g1, buf, offs, wbuf); continue; }
-        if (p.D == 32) { item_avx512<T, 2>(p, qp, kp, vp, op, b, g0, g1, buf, offs, wbuf); continue; }
+      if constexpr (std::is_same_v<T, KT>) {
+        if (p.G <= kMaxG) {
+          if (p.D == 64) { item_avx512<T, 4>(p, qp, kp, vp, op, b, g0, g1, buf, offs, wbuf); continue; }
+          if (p.D == 128) { item_avx512<T, 8>(p, qp, kp, vp, op, b, g0, g1, buf, offs, wbuf); continue; }
+          if (p.D == 32) { item_avx512<T, 2>(p, qp, kp, vp, op, b, g0, g1, buf, offs, wbuf); continue; }
+        }
       }
 #endif
-      for (int64_t g = g0; g < g1; ++g) item_scalar<T>(p, qp, kp, vp, op, b, g, buf);
+#if defined(PARROT_AVX2)
+      // K/V stored in another dtype than q (e.g. fp16 caches for an fp32 model), or a CPU without AVX-512
+      if (p.D % 32 == 0) { item_avx2<T, KT>(p, qp, kp, vp, op, b, g0, g1, buf, offs); continue; }
+#endif
+      for (int64_t g = g0; g < g1; ++g) item_scalar<T, KT>(p, qp, kp, vp, op, b, g, buf);
     }
   });
 }
@@ -411,8 +540,7 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
                                                 const at::Tensor& seq_lens, double scale, bool want_lse) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_decode: bad ranks");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode: CPU tensors only");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "paged_decode: q and the caches must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_decode: the K and V caches must share a dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: caches must be contiguous");
   TORCH_CHECK(q.stride(2) == 1, "paged_decode: q's last dim must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() && block_tables.dim() == 2,
@@ -440,12 +568,18 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
   at::Tensor out = at::empty({p.B, p.H, p.D}, q.options());
   at::Tensor lse = at::empty({want_lse ? p.B : 0, p.H}, q.options().dtype(at::kFloat));
   p.lse = want_lse ? lse.mutable_data_ptr<float>() : nullptr;
-  if (q.scalar_type() == at::kBFloat16) {
-    run<c10::BFloat16>(p, q, k_cache, v_cache, out);
-  } else {
-    TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_decode: float32 or bfloat16 only");
-    run<float>(p, q, k_cache, v_cache, out);
-  }
+  auto with_q = [&](auto* qtag) {
+    using T = std::remove_pointer_t<decltype(qtag)>;
+    switch (k_cache.scalar_type()) {
+      case at::kFloat: run<T, float>(p, q, k_cache, v_cache, out); break;
+      case at::kBFloat16: run<T, c10::BFloat16>(p, q, k_cache, v_cache, out); break;
+      case at::kHalf: run<T, c10::Half>(p, q, k_cache, v_cache, out); break;
+      default: TORCH_CHECK(false, "paged_decode: caches must be float32, bfloat16 or float16");
+    }
+  };
+  if (q.scalar_type() == at::kBFloat16) with_q(static_cast<c10::BFloat16*>(nullptr));
+  else if (q.scalar_type() == at::kFloat) with_q(static_cast<float*>(nullptr));
+  else TORCH_CHECK(false, "paged_decode: q must be float32 or bfloat16");
   return {out, lse};
 }
 

@@ -18,6 +18,12 @@
 //
 // (N32 = n rounded up to 32; padded keys are zero and masked.) Work items: (KV head, query tile), ordered so
 // each thread's contiguous share mixes cheap early tiles with expensive late ones.
+//
+// fp32 on AVX2 (the integer-dot CPU paths' models compute in fp32): the same tiles and masking, with the two
+// products as register-blocked FMA micro-kernels (4 query rows x 16 lanes, 8 accumulators):
+//
+//     S = Q K^T      K^T [D, N16] per KV head: lanes are keys, a row's q[d] broadcast
+//     O = P V        V [N16, D] (the input rows): lanes are head dims, a row's p[key] broadcast
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -44,6 +50,120 @@ bool prefill_attention_available() {
   return false;
 #endif
 }
+
+bool prefill_attention_fp32_available() {
+#if defined(PARROT_AVX2)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+#if defined(PARROT_AVX2)
+namespace f32 {
+namespace v2 = parrot_kernels::avx2;
+constexpr int64_t kTile = 32;  // query tokens per work item
+
+// c[4][16] (ldc) = a[4 rows][K] (lda) . b[K][16] (ldb): 4 x 2 accumulators, b rows as two vectors
+template <int R>
+inline void micro(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K, float* c, int64_t ldc) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(b + k * ldb), b1 = _mm256_loadu_ps(b + k * ldb + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 x = _mm256_broadcast_ss(a + r * lda + k);
+      acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(c + r * ldc, acc[r][0]);
+    _mm256_storeu_ps(c + r * ldc + 8, acc[r][1]);
+  }
+}
+
+// c[rows][cols] = a[rows][K] . b[K][cols], cols a multiple of 16
+inline void gemm(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K, float* c, int64_t ldc,
+                 int64_t rows, int64_t cols) {
+  for (int64_t j = 0; j < cols; j += 16) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) micro<4>(a + r * lda, lda, b + j, ldb, K, c + r * ldc + j, ldc);
+    for (; r < rows; ++r) micro<1>(a + r * lda, lda, b + j, ldb, K, c + r * ldc + j, ldc);
+  }
+}
+
+struct Scratch {
+  std::vector<float> q, s, o;
+};
+
+// one (KV head g, query tile [t0, t1)) item; kt = K_g^T [D, N16], vg = V_g [N16, D] (padding zero)
+void tile(const float* q, int64_t sq, const float* kt, const float* vg, float* out, int64_t H, int64_t G, int64_t D,
+          int64_t N16, int64_t g, int64_t t0, int64_t t1, float scale, Scratch& sc) {
+  const int64_t rows = (t1 - t0) * G, keys = (t1 + 15) / 16 * 16;
+  sc.q.resize(rows * D);
+  sc.s.resize(rows * keys);
+  sc.o.resize(rows * D);
+  const __m256 vs = _mm256_set1_ps(scale);
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t h = 0; h < G; ++h)
+      for (int64_t d = 0; d < D; d += 8)  // the scale folded into q
+        _mm256_storeu_ps(sc.q.data() + ((t - t0) * G + h) * D + d,
+                         _mm256_mul_ps(_mm256_loadu_ps(q + t * sq + (g * G + h) * D + d), vs));
+  gemm(sc.q.data(), D, kt, N16, D, sc.s.data(), keys, rows, keys);
+  for (int64_t r = 0; r < rows; ++r) {  // softmax over keys <= the row's token, zeros after
+    const int64_t live = t0 + r / G + 1;
+    float* sr = sc.s.data() + r * keys;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < live; ++c) m = std::max(m, sr[c]);
+    const __m256 mm = _mm256_set1_ps(m);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t c = 0; c < keys; c += 8) {
+      const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(c)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(sr + c), mm);
+      const __m256 keep = _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(live)), idx)),
+                                        _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ));
+      const __m256 e = _mm256_and_ps(v2::exp256(x), keep);
+      sum = _mm256_add_ps(sum, e);
+      _mm256_storeu_ps(sr + c, e);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / v2::hsum8(sum));
+    for (int64_t c = 0; c < keys; c += 8) _mm256_storeu_ps(sr + c, _mm256_mul_ps(_mm256_loadu_ps(sr + c), inv));
+  }
+  gemm(sc.s.data(), keys, vg, D, keys, sc.o.data(), D, rows, D);
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t h = 0; h < G; ++h)
+      std::copy_n(sc.o.data() + ((t - t0) * G + h) * D, D, out + (t * H + g * G + h) * D);
+}
+
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, at::Tensor& out) {
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1), G = H / KVH;
+  const int64_t N16 = (n + 15) / 16 * 16, tiles = (n + kTile - 1) / kTile;
+  std::vector<float> kt(KVH * D * N16, 0.f), vg(KVH * N16 * D, 0.f);
+  const float* kd = k.const_data_ptr<float>();
+  const float* vd = v.const_data_ptr<float>();
+  at::parallel_for(0, KVH, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t c = 0; c < n; ++c)
+        for (int64_t d = 0; d < D; ++d) {
+          kt[(g * D + d) * N16 + c] = kd[c * k.stride(0) + g * D + d];
+          vg[(g * N16 + c) * D + d] = vd[c * v.stride(0) + g * D + d];
+        }
+  });
+  const float* qd = q.const_data_ptr<float>();
+  float* od = out.mutable_data_ptr<float>();
+  at::parallel_for(0, KVH * tiles, 1, [&](int64_t i0, int64_t i1) {
+    Scratch sc;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t g = i % KVH, j = i / KVH;
+      const int64_t ti = j % 2 == 0 ? j / 2 : tiles - 1 - j / 2;  // 0, last, 1, last - 1, ...
+      tile(qd, q.stride(0), kt.data() + g * D * N16, vg.data() + g * N16 * D, od, H, G, D, N16, g, ti * kTile,
+           std::min(n, (ti + 1) * kTile), static_cast<float>(scale), sc);
+    }
+  });
+}
+}  // namespace f32
+#endif
 
 #if defined(__AVX512BF16__)
 constexpr int64_t kTile = 32;  // query tokens per work item
@@ -115,11 +235,13 @@ void tile(const bf16* q, int64_t sq, const bf16* kp, const bf16* vp, bf16* out, 
 #endif
 
 at::Tensor causal_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
-  TORCH_CHECK(prefill_attention_available(), "causal_prefill: needs AVX512-BF16 (this CPU/build has none)");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "causal_prefill: q, k, v must be [n, heads, D]");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
-                  v.scalar_type() == at::kBFloat16 && q.device().is_cpu(),
-              "causal_prefill: bfloat16 CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type() && q.device().is_cpu() &&
+                  (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat),
+              "causal_prefill: bfloat16 or float32 CPU tensors of one dtype");
+  const bool fp32 = q.scalar_type() == at::kFloat;
+  TORCH_CHECK(fp32 || prefill_attention_available(), "causal_prefill: bfloat16 needs AVX512-BF16 (this CPU/build has none)");
+  TORCH_CHECK(!fp32 || prefill_attention_fp32_available(), "causal_prefill: float32 needs AVX2 + FMA (this CPU/build has none)");
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
   TORCH_CHECK(k.size(0) == n && v.size(0) == n && v.size(1) == KVH && k.size(2) == D && v.size(2) == D,
               "causal_prefill: q, k, v shapes disagree");
@@ -128,8 +250,14 @@ at::Tensor causal_prefill(const at::Tensor& q, const at::Tensor& k, const at::Te
                   v.stride(1) == D,
               "causal_prefill: each token's heads must be contiguous rows of D");
   at::Tensor out = at::empty({n, H * D}, q.options());
-#if defined(__AVX512BF16__)
   if (n == 0) return out;
+#if defined(PARROT_AVX2)
+  if (fp32) {
+    f32::run(q, k, v, scale, out);
+    return out;
+  }
+#endif
+#if defined(__AVX512BF16__)
   const int64_t G = H / KVH, N32 = (n + 31) / 32 * 32, tiles = (n + kTile - 1) / kTile;
   // per KV head: K [N32, D] and V^T [D, N32] in the GEMM's weight layout, packed here element by element (the
   // torch view/permute of vnni::pack costs 0.4 ms per layer at 512 tokens, a quarter of the kernel)
@@ -162,6 +290,7 @@ at::Tensor causal_prefill(const at::Tensor& q, const at::Tensor& k, const at::Te
 
 TORCH_LIBRARY_FRAGMENT(parrot_kernels, m) {
   m.def("prefill_attention_available() -> bool", prefill_attention_available);
+  m.def("prefill_attention_fp32_available() -> bool", prefill_attention_fp32_available);
   m.def("causal_prefill(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
 }
 

@@ -23,7 +23,8 @@ Every layer first writes the new K/V of all T tokens into their slots (one index
 
     Several groups (different prefixes) per batch are fine;
   * prefill chunks: a chunk that starts at 0 attends over its own fresh K/V (causal): the native
-    ``causal_prefill`` op in bf16 where the CPU has AVX512-BF16 (kernels/prefill_attention.cpp), else one SDPA;
+    ``causal_prefill`` op (kernels/prefill_attention.cpp: bf16 where the CPU has AVX512-BF16, fp32 where it has
+    AVX2), else one SDPA;
     a later chunk gathers its context's blocks and runs SDPA with an explicit causal mask offset by its start.
 """
 
@@ -48,12 +49,15 @@ class BlockRef:
     batch: int
     first: int | None = None
 
-    def read(self, cache: torch.Tensor) -> torch.Tensor:
-        """cache [num_blocks, bs, n_kv, hd] -> [B, n * bs, n_kv, hd]."""
+    def read(self, cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """cache [num_blocks, bs, n_kv, hd] -> [B, n * bs, n_kv, hd] in ``dtype`` (the compute dtype; the cache
+        may store another)."""
         nb, bs, n_kv, hd = cache.shape
         if self.first is not None:
-            return cache[self.first : self.first + self.ids.numel()].view(1, -1, n_kv, hd)
-        return cache.view(nb, -1).index_select(0, self.ids).view(self.batch, -1, n_kv, hd)
+            out = cache[self.first : self.first + self.ids.numel()].view(1, -1, n_kv, hd)
+        else:
+            out = cache.view(nb, -1).index_select(0, self.ids).view(self.batch, -1, n_kv, hd)
+        return out.to(dtype)
 
     @staticmethod
     def of(rows: list[list[int]], device: torch.device) -> "BlockRef":
@@ -142,7 +146,7 @@ class PagedAttention:
     ) -> None:
         self.kv_caches = kv_caches
         self.decode_kernel = decode_kernel
-        self.prefill_kernel = prefill_kernel  # bf16 only
+        self.prefill_kernel = prefill_kernel  # for the model's dtype (the builder picks it)
         self.slots = slots
         self.decode_groups = decode_groups
         self.prefills = prefills
@@ -161,8 +165,8 @@ class PagedAttention:
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer_idx]
         nb, bs, n_kv, hd = k_cache.shape
-        k_cache.view(nb * bs, n_kv, hd).index_copy_(0, self.slots, k)
-        v_cache.view(nb * bs, n_kv, hd).index_copy_(0, self.slots, v)
+        k_cache.view(nb * bs, n_kv, hd).index_copy_(0, self.slots, k.to(k_cache.dtype))
+        v_cache.view(nb * bs, n_kv, hd).index_copy_(0, self.slots, v.to(v_cache.dtype))
         n_heads = q.shape[1]
         gqa = n_heads != n_kv
         outs: list[torch.Tensor] = []
@@ -172,8 +176,8 @@ class PagedAttention:
                 od, _ = self.decode_kernel(qg, k_cache, v_cache, g.table, g.lens, self.scale, False)
                 outs.append(od.view(g.num_rows, n_heads * hd))
             elif g.prefix is None:
-                kd = g.suffix.read(k_cache)[:, : g.suffix_len].transpose(1, 2)
-                vd = g.suffix.read(v_cache)[:, : g.suffix_len].transpose(1, 2)
+                kd = g.suffix.read(k_cache, q.dtype)[:, : g.suffix_len].transpose(1, 2)
+                vd = g.suffix.read(v_cache, q.dtype)[:, : g.suffix_len].transpose(1, 2)
                 od = F.scaled_dot_product_attention(qg.unsqueeze(2), kd, vd, attn_mask=g.suffix_mask(qg.dtype),
                                                     scale=self.scale, enable_gqa=gqa)
                 outs.append(od.reshape(g.num_rows, n_heads * hd))
@@ -181,7 +185,7 @@ class PagedAttention:
                 outs.append(self._shared_prefix(g, qg, k_cache, v_cache))
         for p in self.prefills:
             rows = slice(p.row0, p.row0 + p.num_tokens)
-            if p.start == 0 and self.prefill_kernel is not None and q.dtype == torch.bfloat16:
+            if p.start == 0 and self.prefill_kernel is not None:
                 outs.append(self.prefill_kernel(q[rows], k[rows], v[rows], self.scale))
                 continue
             qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
@@ -191,8 +195,8 @@ class PagedAttention:
                 op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=gqa)
             else:
                 L = p.start + p.num_tokens
-                kp = p.blocks.read(k_cache)[:, :L].transpose(1, 2)
-                vp = p.blocks.read(v_cache)[:, :L].transpose(1, 2)
+                kp = p.blocks.read(k_cache, q.dtype)[:, :L].transpose(1, 2)
+                vp = p.blocks.read(v_cache, q.dtype)[:, :L].transpose(1, 2)
                 op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=self.scale, enable_gqa=gqa)
             outs.append(op.squeeze(0).transpose(0, 1).reshape(p.num_tokens, n_heads * hd))
         return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
@@ -204,8 +208,8 @@ class PagedAttention:
         q4 = qg.view(m, n_kv, G, hd)
         # prefix: one [n_kv, m*G, P] problem -- the prefix K/V is read once for the whole group
         qp = q4.permute(1, 0, 2, 3).reshape(1, n_kv, m * G, hd)
-        kp = g.prefix.read(k_cache)[:, : g.prefix_len].transpose(1, 2)
-        vp = g.prefix.read(v_cache)[:, : g.prefix_len].transpose(1, 2)
+        kp = g.prefix.read(k_cache, qg.dtype)[:, : g.prefix_len].transpose(1, 2)
+        vp = g.prefix.read(v_cache, qg.dtype)[:, : g.prefix_len].transpose(1, 2)
         op, lp = _flash_with_lse(qp, kp, vp, 0.0, False, scale=self.scale)
         op = op.view(n_kv, m, G, hd).permute(1, 0, 2, 3)  # [m, n_kv, G, hd]
         lp = lp.view(n_kv, m, G).permute(1, 0, 2)  # [m, n_kv, G]
@@ -214,8 +218,8 @@ class PagedAttention:
             os_, ls = self.decode_kernel(qg, k_cache, v_cache, g.table, g.lens, self.scale, True)
             os_, ls = os_.view(m, n_kv, G, hd), ls.view(m, n_kv, G)
         else:
-            ks = g.suffix.read(k_cache)[:, : g.suffix_len].transpose(1, 2)
-            vs = g.suffix.read(v_cache)[:, : g.suffix_len].transpose(1, 2)
+            ks = g.suffix.read(k_cache, qg.dtype)[:, : g.suffix_len].transpose(1, 2)
+            vs = g.suffix.read(v_cache, qg.dtype)[:, : g.suffix_len].transpose(1, 2)
             os_, ls = _flash_with_lse(q4, ks, vs, 0.0, False, attn_mask=g.suffix_mask(qg.dtype), scale=self.scale)
         lse = torch.logaddexp(lp, ls)
         out = op.float() * (lp - lse).exp_().unsqueeze(-1) + os_.float() * (ls - lse).exp_().unsqueeze(-1)

@@ -94,7 +94,7 @@ class FastLinear(nn.Module):
     scales: Tensor | None
 
     def __init__(self, weight: Tensor, *, dtype: torch.dtype, quant: str = "none",
-                 quant_max_rows: int | None = None, pack: bool = False) -> None:
+                 quant_max_rows: int | None = None, pack: bool = False, vnni_backend: str | None = None) -> None:
         super().__init__()
         if quant not in LINEAR_QUANTS:
             raise ValueError(f"quant must be one of {LINEAR_QUANTS}, got {quant!r}")
@@ -115,7 +115,7 @@ class FastLinear(nn.Module):
         self.quant_max_rows = self._rows_limit()
         self.dtype = dense.dtype
         # the machine's fastest native backend, if any and the shape fits; ``vnni`` is None while use_native(False)
-        kernel = vnni_kernel() if pack and vnni_packable(dense) else None
+        kernel = vnni_kernel(vnni_backend) if pack and vnni_packable(dense) else None
         self.vnni_packed_for: VnniKernel | None = kernel
         self.vnni = kernel
         self.vnni_weight = kernel.pack(dense) if kernel is not None else None

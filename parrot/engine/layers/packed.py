@@ -92,9 +92,10 @@ def vnni_kernels() -> list[VnniKernel]:
 
 
 @functools.cache
-def vnni_kernel() -> VnniKernel | None:
-    """The fastest backend of the native decode GEMM on this machine, or None (checked once)."""
-    kernels = vnni_kernels()
+def vnni_kernel(backend: str | None = None) -> VnniKernel | None:
+    """The native decode GEMM on ``backend`` ("amx" / "avx512_bf16"; None = the fastest on this machine), or None
+    where it does not run (checked once per backend)."""
+    kernels = [k for k in vnni_kernels() if backend is None or k.backend == backend]
     return kernels[0] if kernels else None
 
 

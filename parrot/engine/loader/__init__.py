@@ -14,7 +14,7 @@ from parrot.engine.config import ModelConfig, is_gguf_file
 from parrot.engine.loader.gguf_loader import iter_gguf_weights
 from parrot.engine.loader.safetensors_loader import iter_safetensors_weights, to_hf_layout, to_interleaved
 
-__all__ = ["iter_weights", "iter_gguf_weights", "iter_safetensors_weights", "to_hf_layout", "to_interleaved"]
+__all__ = ["iter_weights", "weight_formats", "iter_gguf_weights", "iter_safetensors_weights", "to_hf_layout", "to_interleaved"]
 
 
 def iter_weights(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
@@ -22,3 +22,19 @@ def iter_weights(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Te
     if is_gguf_file(path):
         return iter_gguf_weights(path)
     return iter_safetensors_weights(path, config)
+
+
+def weight_formats(path: str) -> dict[str, str]:
+    """Canonical name -> storage format of each weight of a GGUF file (the ggml type in lower case: "q4_1",
+    "q8_0", "f16", ...); empty for a safetensors dir (float weights, no codes to keep)."""
+    if not is_gguf_file(path):
+        return {}
+    from parrot.engine.gguf_file import GGUFFile
+    from parrot.engine.loader.gguf_loader import canonical_name
+
+    out = {}
+    for t in GGUFFile(path).tensors:
+        name = canonical_name(t.name)
+        if name is not None:
+            out[name] = t.qtype.name.lower()
+    return out

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 import torch
@@ -35,13 +35,15 @@ from parrot.engine.layers.attention import PlainDecode
 from parrot.engine.layers.int4 import int4_kernel_available
 from parrot.engine.layers.linear import WEIGHT_QUANTS, FastLinear, int8_compute_dtype, int8_kernel_available
 from parrot.engine.layers.packed import packed_gemm_available
+from parrot.engine.layers.qdot import EXACT_FORMATS, Planes, QDotKernel, QDotLinear, to_planes
 from parrot.engine.layers.rotary import RotaryEmbedding
-from parrot.engine.loader import iter_weights, to_hf_layout
+from parrot.engine.loader import iter_weights, to_hf_layout, weight_formats
 from parrot.engine.model_files import resolve_model_path
 
 logger = logging.getLogger(__name__)
 
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+Linear = FastLinear | QDotLinear
 
 
 class AttentionBackend(Protocol):
@@ -71,8 +73,8 @@ DECODE_LAYERS_OP = "decode_layers"
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, *, input_norm: Tensor, qkv_proj: FastLinear,
-                 o_proj: FastLinear, post_norm: Tensor, gate_up_proj: FastLinear, down_proj: FastLinear) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, *, input_norm: Tensor, qkv_proj: Linear,
+                 o_proj: Linear, post_norm: Tensor, gate_up_proj: Linear, down_proj: Linear) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
@@ -128,18 +130,19 @@ class LlamaDecoderLayer(nn.Module):
 class DecodeArgs:
     """The per-layer arguments of the all-layers decode op for one row count (see LlamaForCausalLM)."""
 
-    qkv: list[Tensor]  # packed weights, int4 or VNNI form per FastLinear.native_weight
+    qkv: list[Tensor]  # packed weights, int4 / VNNI / qdot form per Linear.native_weight
     o: list[Tensor]
     gate_up: list[Tensor]
     down: list[Tensor]
     post_norms: list[Tensor]
     next_norms: list[Tensor]  # the norm after each layer: the next layer's input norm, the final norm last
-    backend: str  # the VNNI backend ("" when every matmul runs int4)
+    backend: str  # the VNNI backend or the qdot variant ("" when every matmul runs int4)
+    act_terms: int  # the qdot kernel's activation terms (unused by the other kernels)
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, *, embed_tokens: Tensor, layers: list[LlamaDecoderLayer],
-                 norm: Tensor, lm_head: FastLinear) -> None:
+                 norm: Tensor, lm_head: Linear) -> None:
         super().__init__()
         self.config = config
         self.register_buffer("embed_tokens", embed_tokens)
@@ -154,17 +157,17 @@ class LlamaForCausalLM(nn.Module):
 
     def use_fused_ops(self, ops: FusedOps | None) -> bool:
         """Run the norms, residual adds and SwiGLU through native fused ops (``torch.ops.parrot_kernels``, see
-        parrot.engine.kernels) instead of torch's op chains; None restores the torch path. Taken only by a
-        bfloat16 model on the CPU (the decode fast path; float32 keeps torch's exact op order, e.g. for tests
-        that compare tokens with HF). Returns whether the fused path is now in use."""
-        usable = (ops is not None and self.dtype == torch.bfloat16 and self.device.type == "cpu"
+        parrot.engine.kernels) instead of torch's op chains; None restores the torch path (torch's exact op
+        order, e.g. for tests that compare tokens with HF). Taken by a bfloat16 or float32 model on the CPU.
+        Returns whether the fused path is now in use."""
+        usable = (ops is not None and self.dtype in (torch.bfloat16, torch.float32) and self.device.type == "cpu"
                   and all(hasattr(ops, name) for name in FUSED_OP_NAMES))
         self.fused_ops = ops if usable else None
         return usable
 
-    def use_native(self, enabled: bool) -> list[FastLinear]:
+    def use_native(self, enabled: bool) -> list[Linear]:
         """Switch every matmul's native kernels on or off (:meth:`FastLinear.use_native`); returns the layers."""
-        linears = [m for m in self.modules() if isinstance(m, FastLinear)]
+        linears = [m for m in self.modules() if isinstance(m, (FastLinear, QDotLinear))]
         for m in linears:
             m.use_native(enabled)
         self._decode_args.clear()
@@ -218,18 +221,21 @@ class LlamaForCausalLM(nn.Module):
         return ops.decode_layers(h, x, rot, args.qkv, args.o, args.gate_up, args.down, args.post_norms,
                                  args.next_norms, self.config.rms_norm_eps, [k for k, _ in plain.kv_caches],
                                  [v for _, v in plain.kv_caches], plain.slots, plain.table, plain.lens, plain.scale,
-                                 self.config.num_heads, args.backend)
+                                 self.config.num_heads, args.backend, args.act_terms)
 
     def _build_decode_args(self, rows: int) -> DecodeArgs | None:
         weights = [layer.native_weights(rows) for layer in self.layers]
         if any(w is None for w in weights):
             return None
         first = self.layers[0]
-        backend = next((lin.vnni.backend for lin in (first.qkv_proj, first.o_proj, first.gate_up_proj,
-                                                      first.down_proj) if lin.vnni is not None), "")
+        lins = (first.qkv_proj, first.o_proj, first.gate_up_proj, first.down_proj)
+        qdot = next((lin.qdot for lin in lins if isinstance(lin, QDotLinear)), None)
+        backend = qdot.variant if qdot is not None else next(
+            (lin.vnni.backend for lin in lins if isinstance(lin, FastLinear) and lin.vnni is not None), "")
         qkv, o, gate_up, down = (list(ws) for ws in zip(*weights))
         return DecodeArgs(qkv, o, gate_up, down, [layer.post_norm for layer in self.layers],
-                          [self._norm_after(i) for i in range(len(self.layers))], backend)
+                          [self._norm_after(i) for i in range(len(self.layers))], backend,
+                          qdot.terms if qdot is not None else 1)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: Tensor) -> Tensor:
@@ -289,23 +295,50 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
 
 
+def _qdot_quant(weight_quant: str, formats: list[str | None]) -> str:
+    """The qdot weight form of a (fused) matmul whose parts came in ``formats``: "auto" keeps a Q4_0 / Q4_1 file's
+    4-bit codes and runs everything else as Q8_0 (exact for a Q8_0 file, near-lossless for wider formats)."""
+    if weight_quant != "auto":
+        return weight_quant
+    return "int4" if all(f in EXACT_FORMATS["int4"] for f in formats) else "int8"
+
+
 def assemble_model(config: ModelConfig, weights: Iterable[tuple[str, Tensor]], *, dtype: torch.dtype,
-                   device: str | torch.device = "cpu", weight_quant: str = "none") -> LlamaForCausalLM:
+                   device: str | torch.device = "cpu", weight_quant: str = "none",
+                   qdot: QDotKernel | None = None, formats: Mapping[str, str] | None = None,
+                   vnni_backend: str | None = None) -> LlamaForCausalLM:
     """Build the model from ``(canonical name, float tensor)`` pairs in any order. A layer's fused matmul is
-    built as soon as its parts have all arrived, so only a few float32 tensors are alive at a time."""
-    if weight_quant not in WEIGHT_QUANTS:
-        raise ValueError(f"weight_quant must be one of {WEIGHT_QUANTS}, got {weight_quant!r}")
+    built as soon as its parts have all arrived, so only a few float32 tensors are alive at a time.
+
+    ``qdot``: run every matmul (weight_quant "int4" / "int8" / "auto") on the integer-dot kernel; ``formats``
+    (canonical name -> GGUF format, e.g. "q4_1") lets it keep a file's own codes (layers/qdot.py). Without
+    ``qdot``, weight_quant "auto" means "int4". ``vnni_backend``: the bf16 GEMM backend to use (None = the
+    fastest here)."""
+    if weight_quant not in (*WEIGHT_QUANTS, "auto"):
+        raise ValueError(f"weight_quant must be one of {(*WEIGHT_QUANTS, 'auto')}, got {weight_quant!r}")
+    formats = formats or {}
+    if qdot is not None and weight_quant == "none":
+        qdot = None
+    if qdot is None and weight_quant == "auto":
+        weight_quant = "int4"
     if dtype not in COMPUTE_DTYPES:
         raise ValueError(f"dtype must be one of {COMPUTE_DTYPES}, got {dtype}")
     shapes = _expected_shapes(config)
-    pending: dict[tuple[int, str], dict[int, Tensor]] = {}
-    parts: list[dict[str, Tensor | FastLinear]] = [{} for _ in range(config.num_layers)]
+    pending: dict[tuple[int, str], dict[int, tuple[Tensor, str | None]]] = {}
+    parts: list[dict[str, Tensor | Linear]] = [{} for _ in range(config.num_layers)]
     globals_: dict[str, Tensor] = {}
 
     pack = packed_gemm_available(device, dtype)
 
-    def linear(w: Tensor) -> FastLinear:
-        return FastLinear(w.to(device), dtype=dtype, quant=weight_quant, pack=pack)
+    def linear(ws: list[tuple[Tensor, str | None]]) -> Linear:
+        if qdot is not None and all(QDotKernel.packable(w) for w, _ in ws):
+            quant = _qdot_quant(weight_quant, [f for _, f in ws])
+            planes = Planes.cat([to_planes(w, quant, f) for w, f in ws])
+            return QDotLinear(planes, qdot, dtype=dtype, quant=quant)
+        fused = torch.cat([w for w, _ in ws]) if len(ws) > 1 else ws[0][0]
+        quant = "int8" if qdot is not None else weight_quant  # an odd shape on the qdot path: torch's int8
+        return FastLinear(fused.to(device), dtype=dtype, quant=quant if quant != "auto" else "int4", pack=pack,
+                          vnni_backend=vnni_backend)
 
     for name, tensor in weights:
         if name.startswith("model.layers."):
@@ -324,11 +357,11 @@ def assemble_model(config: ModelConfig, weights: Iterable[tuple[str, Tensor]], *
             continue
         part, slot = _LAYER_PARTS[local]
         group = pending.setdefault((layer, part), {})
-        group[slot] = tensor
+        group[slot] = (tensor, formats.get(name))
         if len(group) == _PART_SIZES[part]:
             del pending[(layer, part)]
-            fused = torch.cat([group[s] for s in range(len(group))]) if len(group) > 1 else group[0]
-            parts[layer][part] = fused.to(device=device, dtype=torch.float32) if part in _NORMS else linear(fused)
+            ws = [group[s] for s in range(len(group))]
+            parts[layer][part] = ws[0][0].to(device=device, dtype=torch.float32) if part in _NORMS else linear(ws)
 
     missing = [f"layer {i}: {sorted(set(_PART_SIZES) - set(p))}" for i, p in enumerate(parts) if len(p) < 6]
     for required in ("model.embed_tokens.weight", "model.norm.weight"):
@@ -346,36 +379,45 @@ def assemble_model(config: ModelConfig, weights: Iterable[tuple[str, Tensor]], *
     # int4 stays off the head: GGUFs store it (token_embd) as Q8_0 or better, so 4-bit codes would lose
     # precision there (and flip borderline greedy tokens); an int4 model's head is Q8_0 instead (two int4 planes
     # of the native kernel, exact for a Q8_0 head; the bf16 weight where that kernel does not run)
-    if weight_quant == "int4":  # from the float32 weights: the planes are exact only for the file's values
-        lm_head = FastLinear(head_f32.to(device), dtype=dtype, quant="q8_0", pack=pack)
+    head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    if qdot is not None and QDotKernel.packable(head_f32):
+        # the head keeps a 4-bit file's codes only when the file has them; else Q8_0 (int4 is never forced on it)
+        fmt = formats.get(head_name)
+        quant = "int4" if weight_quant in ("auto", "int4") and fmt in EXACT_FORMATS["int4"] else "int8"
+        lm_head = QDotLinear(to_planes(head_f32, quant, fmt), qdot, dtype=dtype, quant=quant)
+    elif weight_quant == "int4":  # from the float32 weights: the planes are exact only for the file's values
+        lm_head = FastLinear(head_f32.to(device), dtype=dtype, quant="q8_0", pack=pack, vnni_backend=vnni_backend)
     elif weight_quant == "none":
         lm_head = FastLinear(embed if config.tie_word_embeddings else head_f32.to(device), dtype=dtype,
-                             quant="none", pack=pack)
+                             quant="none", pack=pack, vnni_backend=vnni_backend)
     else:
-        lm_head = linear(head_f32)
+        lm_head = linear([(head_f32, formats.get(head_name))])
     layers = [LlamaDecoderLayer(config, i, **p) for i, p in enumerate(parts)]
     return LlamaForCausalLM(config, embed_tokens=embed, layers=layers,
                             norm=globals_["model.norm.weight"].to(device=device, dtype=torch.float32), lm_head=lm_head)
 
 
 def load_model(path: str, *, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
-               weight_quant: str = "none") -> LlamaForCausalLM:
-    """Load a GGUF file or an HF safetensors dir. ``weight_quant``: "none" or "int8" (CPU int8 weight-only kernel
-    for small row counts). Raises ValueError for a bad option or unsupported model, ModelNotFound for a
-    missing path."""
-    if weight_quant not in WEIGHT_QUANTS:
-        raise ValueError(f"weight_quant must be one of {WEIGHT_QUANTS}, got {weight_quant!r}")
+               weight_quant: str = "none", qdot: QDotKernel | None = None,
+               vnni_backend: str | None = None) -> LlamaForCausalLM:
+    """Load a GGUF file or an HF safetensors dir. ``weight_quant``: "none", "int8", "int4" or "auto" (see
+    :func:`assemble_model`, which also explains ``qdot`` and ``vnni_backend``). Raises ValueError for a bad option
+    or unsupported model, ModelNotFound for a missing path."""
+    if weight_quant not in (*WEIGHT_QUANTS, "auto"):
+        raise ValueError(f"weight_quant must be one of {(*WEIGHT_QUANTS, 'auto')}, got {weight_quant!r}")
     if dtype not in COMPUTE_DTYPES:
         raise ValueError(f"dtype must be one of {COMPUTE_DTYPES}, got {dtype}")
-    if weight_quant == "int8" and not int8_kernel_available(device, int8_compute_dtype(dtype)):
+    torch_quant = qdot is None  # with qdot, the integer-dot kernel runs every quantized layer, not torch's
+    if torch_quant and weight_quant == "int8" and not int8_kernel_available(device, int8_compute_dtype(dtype)):
         raise ValueError(f"weight_quant='int8' needs torch.ops.aten._weight_int8pack_mm for {dtype} on {device!r}")
-    if weight_quant == "int4" and not int4_kernel_available(device, dtype):
+    if torch_quant and weight_quant in ("int4", "auto") and not int4_kernel_available(device, dtype):
         raise ValueError(f"weight_quant='int4' needs torch._weight_int4pack_mm_for_cpu with bfloat16 on the CPU, "
                          f"not {dtype} on {device!r}")
     path = resolve_model_path(path)
     start = time.perf_counter()
     config = read_model_config(path)
-    model = assemble_model(config, iter_weights(path, config), dtype=dtype, device=device, weight_quant=weight_quant)
+    model = assemble_model(config, iter_weights(path, config), dtype=dtype, device=device, weight_quant=weight_quant,
+                           qdot=qdot, formats=weight_formats(path), vnni_backend=vnni_backend)
     logger.info("loaded %s (%d layers, %s, quant=%s) from %s in %.1f s", config.name, config.num_layers, dtype,
                 weight_quant, path, time.perf_counter() - start)
     return model
@@ -402,7 +444,7 @@ def random_weights(config: ModelConfig, *, seed: int = 0) -> dict[str, Tensor]:
 
 
 def build_random_model(config: ModelConfig, *, dtype: torch.dtype, device: str = "cpu", seed: int = 0,
-                       weight_quant: str = "none") -> LlamaForCausalLM:
+                       weight_quant: str = "none", qdot: QDotKernel | None = None) -> LlamaForCausalLM:
     """A model with random weights (tests, benchmarks); deterministic for a given seed."""
     return assemble_model(config, random_weights(config, seed=seed).items(), dtype=dtype, device=device,
-                          weight_quant=weight_quant)
+                          weight_quant=weight_quant, qdot=qdot)
