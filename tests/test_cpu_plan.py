@@ -75,8 +75,13 @@ def test_forced_path_the_cpu_cannot_run_names_what_is_missing() -> None:
 
 def test_kernel_library_limits_the_choice() -> None:
     """Without the native library only the portable path runs; a library without a CPU's backend (e.g. the OS
-    denies AMX tiles) drops that path and auto takes the next."""
+    denies AMX tiles) drops that path and auto takes the next. With the kernels off (None: attention_kernel=
+    "torch") the CPU alone decides, and the plan keeps that path's dtypes on torch's kernels."""
     cpu = x86("sapphire-rapids")
+    assert choose_path("auto", cpu, None) is CpuPath.AMX
+    assert choose_path("avx2", cpu, None) is CpuPath.AVX2
+    off = make_plan(CpuPath.AMX, cpu, native=False)
+    assert (off.dtype, off.matmul, off.native_ops) == ("bfloat16", "torch", False)
     assert choose_path("auto", cpu, KernelSupport()) is CpuPath.PORTABLE
     with pytest.raises(PathUnavailable, match="not built"):
         choose_path("avx2", cpu, KernelSupport())

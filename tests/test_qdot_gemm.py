@@ -161,3 +161,14 @@ def test_qdot_linear_module(ops) -> None:
     assert torch.allclose(lin.dense_weight(), w, rtol=0, atol=w.abs().max().item() / 254 * 1.01)  # Q8_0 of w
     lin.use_native(True)
     assert torch.equal(lin(x), y)
+
+
+def test_prefill_sized_batches_run_dense(ops) -> None:
+    """With dense_min_rows, a batch that large is the exact fp32 product with the dequantized weight (torch's GEMM),
+    and the all-layers decode op is not offered it (native_weight None); smaller batches stay on the kernel."""
+    planes = to_planes(torch.randn(16, 64) * 0.05, "int4")
+    lin = QDotLinear(planes, QDotKernel(ops, "scalar", 2, dense_min_rows=5), dtype=torch.float32, quant="int4")
+    big, small = torch.randn(5, 64), torch.randn(4, 64)
+    assert torch.equal(lin(big), torch.nn.functional.linear(big, planes.dequantize()))
+    assert lin.native_weight(5) is None and lin.native_weight(4) is lin.packed
+    assert torch.equal(lin(small), ops.qdot_linear(small, lin.packed, "scalar", 2))

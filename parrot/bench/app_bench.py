@@ -121,6 +121,15 @@ def measure(args: argparse.Namespace, session: Session, url: str) -> list[dict]:
     return rows
 
 
+def _engine_conditions(args) -> dict:
+    """The CPU and the default engine's numerics when the service runs here (--local); unknown for a --url."""
+    if not args.local:
+        return {"engine": "remote (see its /v1/models numerics)"}
+    from parrot.bench.machine import describe_cpu
+
+    return describe_cpu()
+
+
 def print_table(rows: list[dict], conditions: dict) -> None:
     print("conditions: " + ", ".join(f"{k}={v}" for k, v in conditions.items()))
     header = f"{'app':<11} {'chunks':>6} {'out len':>7} {'calls':>5} {'baseline s':>11} {'parrot s':>9} {'ratio':>6}"
@@ -206,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                   "background": args.background, "background_completed": background.completed,
                   "chunk_words": args.chunk_words, "repeats": args.repeats, "warmup": args.warmup, "seed": args.seed,
                   "document": Path(args.document).name, "parrot_round_trips_per_run": 1,
-                  "baseline_round_trips_per_run": "one per call"}
+                  "baseline_round_trips_per_run": "one per call", **_engine_conditions(args)}
     print_table(rows, conditions)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

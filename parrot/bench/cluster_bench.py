@@ -44,6 +44,7 @@ from tqdm import tqdm
 from parrot.bench.app_bench import DEFAULT_DOCUMENT, BackgroundLoad
 from parrot.bench.apps import APPS, App, Const, FromStep, load_document, run_baseline, split_words
 from parrot.bench.baseline_client import BaselineClient, EmulatedLatency
+from parrot.bench.machine import describe_cpu
 from parrot.bench.report import format_conditions, format_table, ratio, save_bar_panels, save_json
 from parrot.engine.procs import free_port
 from parrot.frontend.client import Session, connect
@@ -401,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     conditions = {"workload": asdict(w), "quick": args.quick, "latency_ms": tuple(args.latency_ms),
                   "seed": args.seed, "engine_threads": 1, "cores": os.cpu_count(),
                   "drivers": "parrot: Parrot frontend (1 RTT/app); baselines: LangChain-style client (1 RTT/call)",
-                  "model": args.model or "SmolLM2-135M-Instruct Q4_1 (default)"}
+                  "model": args.model or "SmolLM2-135M-Instruct Q4_1 (default)", **describe_cpu()}
     text, panels = report(results, args.policies)
     print(format_conditions({k: v for k, v in conditions.items() if k != "workload"}))
     print("workload: " + ", ".join(f"{k}={v}" for k, v in asdict(w).items()))

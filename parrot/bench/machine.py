@@ -123,6 +123,18 @@ def cpu_model() -> str:
     return probe_cpu().model
 
 
+def describe_cpu() -> dict[str, str]:
+    """The CPU (model, family) and the numerics plan a default engine takes on it (parrot.engine.numerics): the
+    conditions of a benchmark that runs the builtin engine with its defaults."""
+    from parrot.engine.builder import plan_for
+    from parrot.engine.settings import EngineSettings
+
+    plan = plan_for(EngineSettings())
+    return {"cpu": plan.cpu_model, "cpu_family": plan.cpu_family,
+            "engine_numerics": plan.describe().split(": ", 1)[1] if ": " in plan.describe() else plan.describe(),
+            "cpu_path": plan.path.value}
+
+
 def _version(package: str) -> str:
     try:
         return importlib.metadata.version(package)

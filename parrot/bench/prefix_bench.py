@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import platform
 import random
 import threading
 import time
@@ -204,10 +203,13 @@ def main(argv: list[str] | None = None) -> None:
                          fmt_ratio(ratio(base["peak_kv_blocks"], r["peak_kv_blocks"])) if base else ""])
     print(format_table(["workload", "config", "mean latency s", "mean s/token", "peak KV blocks", "speedup vs off",
                         "shared vs paged", "KV off/this"], rows, title="Prefix sharing"))
-    conditions = {"model": "SmolLM2-135M-Instruct Q4_1 (engine defaults: bf16, int4 decode kernels)", "system_tokens": args.system_tokens,
+    from parrot.bench.machine import describe_cpu
+
+    conditions = {"model": "SmolLM2-135M-Instruct Q4_1 (engine defaults)", **describe_cpu(),
+                  "system_tokens": args.system_tokens,
                   "requests": args.requests, "output_tokens": args.out, "files": args.files,
                   "kv_cache_tokens": args.kv_cache_tokens, "threads": args.threads or torch.get_num_threads(),
-                  "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
+                  "torch": torch.__version__,
                   "date": time.strftime("%Y-%m-%d %H:%M")}
     print(format_conditions(conditions))
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -111,6 +111,12 @@ def _assemble(settings: EngineSettings, model, tokenizer, thread: EngineThread) 
     return engine
 
 
+def plan_for(settings: EngineSettings) -> NumericsPlan:
+    """The numerics plan an engine built from ``settings`` takes on this machine (nothing is loaded but the
+    kernel library)."""
+    return numerics_plan(settings, _native_ops(settings))
+
+
 def numerics_plan(settings: EngineSettings, native) -> NumericsPlan:
     """The engine's numerics plan (parrot.engine.numerics) from the settings, this CPU and the kernel library
     ``native`` (None: not built or turned off). Raises ValueError (PathUnavailable) for a forced path that cannot
@@ -122,10 +128,13 @@ def numerics_plan(settings: EngineSettings, native) -> NumericsPlan:
                             kv_dtype=settings.kv_dtype if settings.kv_dtype != "auto" else dtype,
                             weight_quant=settings.weight_quant if settings.weight_quant != "auto" else "none",
                             matmul="torch", native_ops=False)
-    support = KernelSupport()
     if native is not None:
-        support = KernelSupport(built=True, vnni_backends=tuple(native.vnni_backends()),
-                                qdot_variants=tuple(native.qdot_variants()))
+        support: KernelSupport | None = KernelSupport(built=True, vnni_backends=tuple(native.vnni_backends()),
+                                                      qdot_variants=tuple(native.qdot_variants()))
+    elif settings.attention_kernel == "torch" or settings.cpu_path == "auto":
+        support = None  # kernels off or not built: the CPU's path, its dtypes on torch's kernels
+    else:
+        support = KernelSupport()  # a forced path without the library: choose_path says why it cannot run
     path = choose_path(settings.cpu_path, cpu, support)
     return make_plan(path, cpu, dtype=settings.dtype, kv_dtype=settings.kv_dtype, weight_quant=settings.weight_quant,
                      act_quant=settings.act_quant, native=native is not None)

@@ -73,21 +73,23 @@ class NumericsPlan:
                 f"{'on' if self.native_ops else 'off'}")
 
 
-def choose_path(requested: str, cpu: CpuInfo, kernels: KernelSupport) -> CpuPath:
-    """The path to run: ``requested`` ("auto" = the fastest this CPU and kernel build can run). Raises
-    PathUnavailable for a forced path the CPU or the kernel build cannot run."""
+def choose_path(requested: str, cpu: CpuInfo, kernels: KernelSupport | None) -> CpuPath:
+    """The path to run: ``requested`` ("auto" = the fastest this CPU and kernel build can run). ``kernels`` None:
+    the native kernels are not in use (attention_kernel="torch"), so only the CPU's features decide (the plan then
+    keeps the path's dtypes on torch's kernels). Raises PathUnavailable for a forced path the CPU or the kernel
+    build cannot run."""
     if requested != "auto":
         path = CpuPath(requested)
         missing = cpu.missing(path)
         if missing:
             raise PathUnavailable(f"cpu_path={path.value!r} needs CPU features this {cpu.model} [{cpu.family}] "
                                   f"lacks: {', '.join(missing)}")
-        why = _kernels_missing(path, kernels)
+        why = _kernels_missing(path, kernels) if kernels is not None else ""
         if why:
             raise PathUnavailable(f"cpu_path={path.value!r} cannot run here: {why}")
         return path
     for path in cpu.paths():
-        if not _kernels_missing(path, kernels):
+        if kernels is None or not _kernels_missing(path, kernels):
             return path
     return CpuPath.PORTABLE
 

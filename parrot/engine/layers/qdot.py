@@ -13,8 +13,9 @@ built here from float weights by their source format, exactly where the file's o
                           (hi: 16 d, -128 d; lo: d, 0)
     anything else: weight_quant "int4" -> the q4_1 rule (4-bit requantization), "int8" -> the q8_0 rule
 
-The activations are quantized per row and group of 32 inside the kernel (llama.cpp's Q8_1). One kernel serves
-every row count (decode and prefill) and no dense copy of the weight is kept.
+The activations are quantized per row and group of 32 inside the kernel, as one int8 term (llama.cpp's Q8_1) or
+two (~16 bits, the default: QDotKernel.terms). One kernel serves every row count (decode and prefill) and no
+dense copy of the weight is kept.
 """
 
 from __future__ import annotations
@@ -86,15 +87,24 @@ def to_planes(weight: Tensor, quant: str, fmt: str | None = None) -> Planes:
     return Planes(codes[None], d[None], m[None])
 
 
+# Two activation terms cost twice the integer work; from this many rows (prefill chunks) the weight dequantized
+# once per call (O(N K)) and multiplied by torch's fp32 GEMM is faster and as exact (measured on AVX2 Zen-class
+# cores, 2 threads: 1536 x 576 at 512 rows 45 -> 53 GOP/s, at 128 rows 44 vs 33; one term stays on the kernel:
+# ~83 GOP/s at every size)
+DENSE_MIN_ROWS_TWO_TERMS = 256
+
+
 @dataclass(frozen=True)
 class QDotKernel:
     """The native integer-dot GEMM on one variant ("avx2" or the portable "scalar" twin, bit-identical), with
     activations as ``terms`` int8 terms per group of 32 (1: ~8 bits, llama.cpp's numerics; 2: ~16 bits, see
-    kernels/qdot_gemm.cpp)."""
+    kernels/qdot_gemm.cpp). From ``dense_min_rows`` rows on (None: never) a float32 product runs on torch's GEMM
+    with the weight dequantized for the call instead."""
 
     ops: Any
     variant: str
     terms: int = 2
+    dense_min_rows: int | None = None
 
     @staticmethod
     def packable(weight: Tensor) -> bool:
@@ -105,13 +115,18 @@ class QDotKernel:
         return self.ops.qdot_pack(planes.codes, planes.d, planes.m)
 
     def linear(self, x: Tensor, packed: Tensor) -> Tensor:
+        if self.runs_dense(x.shape[0]) and x.dtype == torch.float32:
+            return nn.functional.linear(x, self.ops.qdot_dequantize(packed))
         return self.ops.qdot_linear(x, packed, self.variant, self.terms)
+
+    def runs_dense(self, rows: int) -> bool:
+        return self.dense_min_rows is not None and rows >= self.dense_min_rows
 
 
 @functools.cache
 def qdot_kernel(variant: str, terms: int = 2) -> QDotKernel | None:
     """The native kernel's ``variant`` with ``terms`` activation terms when the library is built and offers the
-    variant here (checked once per variant)."""
+    variant here (checked once per variant); two terms hand prefill-sized products to torch's fp32 GEMM."""
     from parrot.engine.kernels import KernelBuildError, load_kernels
 
     try:
@@ -121,11 +136,12 @@ def qdot_kernel(variant: str, terms: int = 2) -> QDotKernel | None:
         return None
     if ops is None or not hasattr(ops, "qdot_linear") or variant not in ops.qdot_variants():
         return None
-    return QDotKernel(ops, variant, terms)
+    return QDotKernel(ops, variant, terms, DENSE_MIN_ROWS_TWO_TERMS if terms == 2 else None)
 
 
 class QDotLinear(nn.Module):
-    """``y = x @ W.T`` for 2-D ``x`` [rows, in_features] on the integer-dot kernel at every row count (no bias).
+    """``y = x @ W.T`` for 2-D ``x`` [rows, in_features] on the integer-dot kernel (no bias; prefill-sized batches
+    on torch's fp32 GEMM where the kernel says so: QDotKernel.dense_min_rows).
 
     Same interface as FastLinear where the model uses it (forward, native_weight, use_native, dense_weight).
     ``use_native(False)`` runs ``F.linear`` on the dequantized weight instead (built on first use)."""
@@ -148,8 +164,9 @@ class QDotLinear(nn.Module):
         return nn.functional.linear(x, self.dense_weight())
 
     def native_weight(self, rows: int) -> Tensor | None:
-        """The packed weight the native kernel runs (any row count), None while the native kernel is off."""
-        return self.packed if self.qdot is not None else None
+        """The packed weight the native kernel runs for ``rows`` rows; None while the native kernel is off or when
+        that many rows run on torch's GEMM (QDotKernel.dense_min_rows)."""
+        return self.packed if self.qdot is not None and not self.qdot.runs_dense(rows) else None
 
     def use_native(self, enabled: bool) -> bool:
         self.qdot = self.kernel if enabled else None
