@@ -465,25 +465,8 @@ void item_avx2(const Problem& p, const T* q, const KT* kc, const KT* vc, T* out,
     }
     // softmax per head, in place, normalized; padding [L, Lp) -> 0
     for (int64_t h = 0; h < G; ++h) {
-      float* sh = s + h * Lp;
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t t = 0; t < L; ++t) m = std::max(m, sh[t]);
-      const __m256 mm = _mm256_set1_ps(m);
-      __m256 sv = _mm256_setzero_ps();
-      for (int64_t t = 0; t < Lp; t += 8) {
-        const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(t)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(L)), idx));
-        const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(sh + t), mm);
-        // below -87 e^x flushes to 0 like expf; lanes past L are padding
-        const __m256 keep = _mm256_and_ps(live, _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ));
-        const __m256 e = _mm256_and_ps(v2::exp256(x), keep);
-        _mm256_storeu_ps(sh + t, e);
-        sv = _mm256_add_ps(sv, e);
-      }
-      const float sum = v2::hsum8(sv);
-      const __m256 inv = _mm256_set1_ps(1.0f / sum);
-      for (int64_t t = 0; t < Lp; t += 8) _mm256_storeu_ps(sh + t, _mm256_mul_ps(_mm256_loadu_ps(sh + t), inv));
-      if (p.lse) p.lse[b * p.H + g * G + h] = m + std::log(sum);
+      const v2::RowSoftmax sm = v2::softmax_row(s + h * Lp, L, Lp);
+      if (p.lse) p.lse[b * p.H + g * G + h] = sm.max + std::log(sm.sum);
     }
     // pass 2: tiles of <= 3 heads x 32 dims
     for (int64_t c = 0; c < D / 32; ++c)

@@ -111,25 +111,8 @@ void tile(const float* q, int64_t sq, const float* kt, const float* vg, float* o
         _mm256_storeu_ps(sc.q.data() + ((t - t0) * G + h) * D + d,
                          _mm256_mul_ps(_mm256_loadu_ps(q + t * sq + (g * G + h) * D + d), vs));
   gemm(sc.q.data(), D, kt, N16, D, sc.s.data(), keys, rows, keys);
-  for (int64_t r = 0; r < rows; ++r) {  // softmax over keys <= the row's token, zeros after
-    const int64_t live = t0 + r / G + 1;
-    float* sr = sc.s.data() + r * keys;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t c = 0; c < live; ++c) m = std::max(m, sr[c]);
-    const __m256 mm = _mm256_set1_ps(m);
-    __m256 sum = _mm256_setzero_ps();
-    for (int64_t c = 0; c < keys; c += 8) {
-      const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(c)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-      const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(sr + c), mm);
-      const __m256 keep = _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(live)), idx)),
-                                        _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ));
-      const __m256 e = _mm256_and_ps(v2::exp256(x), keep);
-      sum = _mm256_add_ps(sum, e);
-      _mm256_storeu_ps(sr + c, e);
-    }
-    const __m256 inv = _mm256_set1_ps(1.0f / v2::hsum8(sum));
-    for (int64_t c = 0; c < keys; c += 8) _mm256_storeu_ps(sr + c, _mm256_mul_ps(_mm256_loadu_ps(sr + c), inv));
-  }
+  for (int64_t r = 0; r < rows; ++r)  // softmax over keys <= the row's token, zeros after
+    v2::softmax_row(sc.s.data() + r * keys, t0 + r / G + 1, keys);
   gemm(sc.s.data(), keys, vg, D, keys, sc.o.data(), D, rows, D);
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t h = 0; h < G; ++h)

@@ -50,10 +50,7 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define PARROT_QDOT_AVX2 1
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 
@@ -101,19 +98,9 @@ void quantize_row_scalar(const T* x, int64_t KG, int terms, int8_t* a, int8_t* b
   }
 }
 
-#if defined(PARROT_QDOT_AVX2)
-inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
-inline __m256 load8(const c10::BFloat16* x) {
-  return _mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))), 16));
-}
-
-inline float hmax8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
+#if defined(PARROT_AVX2)
+using parrot_kernels::avx2::hmax8;
+using parrot_kernels::avx2::load8;
 
 inline int32_t hsum8i(__m256i s) {
   __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
@@ -174,7 +161,7 @@ void quantize(const T* x, int64_t ldx, int64_t M, int64_t K, int terms, bool avx
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       int8_t* b = terms == 2 ? out.b.data() + r * K : nullptr;
-#if defined(PARROT_QDOT_AVX2)
+#if defined(PARROT_AVX2)
       if (avx2) {
         quantize_row_avx2(x + r * ldx, KG, terms, out.a.data() + r * K, b, out.u.data() + r * KG, out.us.data() + r * KG);
         continue;
@@ -232,14 +219,8 @@ void tile_scalar(const Args& A, int64_t r0, int R, int64_t cb, O* out, int64_t l
   for (int r = 0; r < R; ++r) store_out(out + (r0 + r) * ldo + cb * kCols, acc[r], kCols);
 }
 
-#if defined(PARROT_QDOT_AVX2)
-template <typename O>
-inline void store8(O* o, __m256 v) {
-  alignas(32) float t[8];
-  _mm256_store_ps(t, v);
-  store_out(o, t, 8);
-}
-inline void store8(float* o, __m256 v) { _mm256_storeu_ps(o, v); }
+#if defined(PARROT_AVX2)
+using parrot_kernels::avx2::store8;
 
 inline __m256i bcast4(const int8_t* p) {
   int32_t v;
@@ -338,7 +319,7 @@ void gemm_range(const Args& A, int64_t M, bool avx2, O* out, int64_t ldo, int64_
     for (int64_t cb = c0; cb < c1; ++cb)
       for (int64_t r = m0; r < m1; r += kRowTile) {
         const int R = static_cast<int>(std::min<int64_t>(kRowTile, m1 - r));
-#if defined(PARROT_QDOT_AVX2)
+#if defined(PARROT_AVX2)
         if (avx2) {
           if (A.P == 1 && A.terms == 1) rows_avx2<1, 1>(A, r, R, cb, out, ldo);
           else if (A.P == 1) rows_avx2<1, 2>(A, r, R, cb, out, ldo);
@@ -354,7 +335,7 @@ void gemm_range(const Args& A, int64_t M, bool avx2, O* out, int64_t ldo, int64_
 
 std::vector<std::string> qdot_variants() {
   std::vector<std::string> v;
-#if defined(PARROT_QDOT_AVX2)
+#if defined(PARROT_AVX2)
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
     v.emplace_back("avx2");
 #endif
@@ -364,7 +345,7 @@ std::vector<std::string> qdot_variants() {
 
 bool variant_is_avx2(c10::string_view variant) {
   if (variant == "avx2") {
-#if defined(PARROT_QDOT_AVX2)
+#if defined(PARROT_AVX2)
     static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                            __builtin_cpu_supports("f16c");
     TORCH_CHECK(ok, "qdot_linear: this CPU has no AVX2 + FMA + F16C");

@@ -111,5 +111,31 @@ inline __m256 exp256(__m256 x) {
   return _mm256_mul_ps(_mm256_mul_ps(y, p1), p2);
 }
 
+struct RowSoftmax {
+  float max, sum;  // of the scores, and of their exponentials before normalizing (lse = max + log(sum))
+};
+
+// softmax of row[0, live) in place, normalized; row[live, padded) <- 0 (padded: a multiple of 8, >= live >= 1).
+// Scores more than 87 below the max give 0, as expf flushes them.
+inline RowSoftmax softmax_row(float* row, int64_t live, int64_t padded) {
+  float m = row[0];
+  for (int64_t t = 1; t < live; ++t) m = m > row[t] ? m : row[t];
+  const __m256 mm = _mm256_set1_ps(m), floor = _mm256_set1_ps(-87.0f);
+  const __m256i n = _mm256_set1_epi32(static_cast<int>(live)), lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t t = 0; t < padded; t += 8) {
+    const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(row + t), mm);
+    const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(t)), lanes);
+    const __m256 keep = _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(n, idx)), _mm256_cmp_ps(x, floor, _CMP_GE_OQ));
+    const __m256 e = _mm256_and_ps(exp256(x), keep);
+    sum = _mm256_add_ps(sum, e);
+    _mm256_storeu_ps(row + t, e);
+  }
+  const float total = hsum8(sum);
+  const __m256 inv = _mm256_set1_ps(1.0f / total);
+  for (int64_t t = 0; t < padded; t += 8) _mm256_storeu_ps(row + t, _mm256_mul_ps(_mm256_loadu_ps(row + t), inv));
+  return {m, total};
+}
+
 }  // namespace parrot_kernels::avx2
 #endif
