@@ -7,6 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from parrot.bench import engine as bench
+from parrot.bench import engine_report as report
+from parrot.bench import ours_variants as variants
 from parrot.engine.cpu import CpuInfo, CpuPath
 from parrot.engine.numerics import make_plan
 
@@ -26,17 +28,17 @@ def avx2_cpu(monkeypatch):
 
 # ---- --ours-variants -----------------------------------------------------------------------------------------
 def test_ours_variants_parse_to_worker_names_and_settings(avx2_cpu):
-    got = bench.parse_ours_variants("default, act_quant=int8 ,cpu_path=avx2+act_quant=int8,default", BASE)
+    got = variants.parse_ours_variants("default, act_quant=int8 ,cpu_path=avx2+act_quant=int8,default", BASE)
     assert list(got) == ["ours", "ours:act_quant=int8", "ours:cpu_path=avx2+act_quant=int8"]
     assert got["ours"] == {} and got["ours:cpu_path=avx2+act_quant=int8"] == {"cpu_path": "avx2", "act_quant": "int8"}
     # the worker gets its overrides back from its name, and they apply on top of the ours flags
     for worker, overrides in got.items():
-        assert bench.parse_variant_spec(worker.partition(":")[2]) == overrides
-        assert bench.variant_worker(overrides) == worker
-    s = bench.ours_settings({**BASE, "dtype": "float32"}, got["ours:cpu_path=avx2+act_quant=int8"], num_threads=2)
+        assert variants.parse_variant_spec(worker.partition(":")[2]) == overrides
+        assert variants.variant_worker(overrides) == worker
+    s = variants.ours_settings({**BASE, "dtype": "float32"}, got["ours:cpu_path=avx2+act_quant=int8"], num_threads=2)
     assert (s.cpu_path, s.act_quant, s.dtype, s.weight_quant, s.num_threads) == ("avx2", "int8", "float32", "auto", 2)
     # values are converted by EngineSettings (ints, bools)
-    assert bench.parse_ours_variants("block_size=32+enable_prefix_cache=false", BASE) == {
+    assert variants.parse_ours_variants("block_size=32+enable_prefix_cache=false", BASE) == {
         "ours:block_size=32+enable_prefix_cache=false": {"block_size": "32", "enable_prefix_cache": "false"}}
 
 
@@ -51,7 +53,7 @@ def test_ours_variants_parse_to_worker_names_and_settings(avx2_cpu):
 ])
 def test_invalid_ours_variant_fails_naming_the_spec(avx2_cpu, spec, why):
     with pytest.raises(ValueError, match=why) as e:
-        bench.parse_ours_variants(f"default,{spec}", BASE)
+        variants.parse_ours_variants(f"default,{spec}", BASE)
     assert repr(spec) in str(e.value)
 
 
@@ -64,7 +66,7 @@ def test_invalid_ours_variant_is_an_argparse_error(avx2_cpu, capsys):
 
 
 def test_plan_workers_and_worker_command_carry_the_variants(avx2_cpu):
-    args = SimpleNamespace(systems=["ours"], ours_workers=bench.parse_ours_variants("default,act_quant=int8", BASE),
+    args = SimpleNamespace(systems=["ours"], ours_workers=variants.parse_ours_variants("default,act_quant=int8", BASE),
                            model="/m.gguf", threads=2, **{**BASE, "cpu_path": "avx2"}, prefill_tokens=32,
                            context_tokens=16, decode_tokens=4, prefill_repeats=1, decode_repeats=1, budget=1.0,
                            batches=[1, 2], llama_buffers="plain", quick=True)
@@ -78,7 +80,7 @@ def test_plan_workers_and_worker_command_carry_the_variants(avx2_cpu):
 # ---- labels ------------------------------------------------------------------------------------------------------
 def test_label_comes_from_the_plan():
     def label(cpu, path, **kw):
-        return bench.plan_label(make_plan(path, cpu, **kw).to_dict())
+        return variants.plan_label(make_plan(path, cpu, **kw).to_dict())
 
     assert label(AVX2_CPU, CpuPath.AVX2) == "ours avx2 int8x2"
     assert label(AVX2_CPU, CpuPath.AVX2, act_quant="int8") == "ours avx2 int8"
@@ -98,7 +100,7 @@ def test_label_comes_from_the_plan():
 def test_same_plan_labels_get_their_spec():
     systems = {"ours": {"label": "ours avx2 int8x2"}, "ours:kv_dtype=float32": {"label": "ours avx2 int8x2"},
                "ours:act_quant=int8": {"label": "ours avx2 int8"}, "llamacpp:file": {"label": "llama.cpp Q4_1"}}
-    bench.unique_labels(systems)
+    report.unique_labels(systems)
     assert [r["label"] for r in systems.values()] == [
         "ours avx2 int8x2 [default]", "ours avx2 int8x2 [kv_dtype=float32]", "ours avx2 int8", "llama.cpp Q4_1"]
 
@@ -130,7 +132,7 @@ def _data():
     }
     machine = {"system": "machine", "threads": 2, "bf16_matmul_gflops": 100.0, "fp32_matmul_gflops": 200.0,
                "int8_dot_gops": 400.0, "mem_read_gbs": 20.0,
-               "readings": [{k: 1.0 for k in bench.PEAK_KEYS}, {k: 2.0 for k in bench.PEAK_KEYS}]}
+               "readings": [{k: 1.0 for k in report.PEAK_KEYS}, {k: 2.0 for k in report.PEAK_KEYS}]}
     conditions = {"cpu": "Test EPYC", "cpu_family": AVX2_CPU.family, "cpu_paths": "avx2, portable", "threads": 2,
                   "model": "m.gguf", "date": "2026-11-25 12:00 UTC", "ours": "cpu_path=auto ..."}
     protocol = {"prefill_tokens": 32, "context_tokens": 16, "decode_tokens": 4, "batches": [1, 2]}
@@ -139,7 +141,7 @@ def _data():
 
 def test_summarize_one_ratio_block_per_ours_variant_and_peak_shares():
     data = _data()
-    bench.summarize(data, CFG)
+    report.summarize(data, CFG)
     r = data["ratios"]
     assert list(r) == ["ours avx2 int8x2", "ours avx2 int8"]
     for block in r.values():
@@ -150,7 +152,7 @@ def test_summarize_one_ratio_block_per_ours_variant_and_peak_shares():
     assert best["prefill"] == {"ratio": 3.0, "peer": "llama.cpp Q4_1"}
     assert best["decode_b1"] == {"ratio": 1.5, "peer": "llama.cpp Q4_0"}
     assert best["decode_b2"] == {"ratio": 4.0, "peer": "llama.cpp Q4_1"}
-    fpt = bench.flops_per_token(CFG, 16 + 4 / 2)
+    fpt = report.flops_per_token(CFG, 16 + 4 / 2)
     s = data["share_of_peak"]["ours avx2 int8"]
     assert s["b2_gflops"] == pytest.approx(fpt * 240.0 / 1e9)
     assert s["pct_bf16_peak"] == pytest.approx(s["b2_gflops"] / 100.0)
@@ -165,14 +167,14 @@ def test_summarize_without_int8_peak_or_peers():
     data = _data()
     data["machine"]["int8_dot_gops"] = None
     data["systems"] = {w: r for w, r in data["systems"].items() if w.startswith("ours")}
-    bench.summarize(data, CFG)
+    report.summarize(data, CFG)
     assert data["ratios"] == {"ours avx2 int8x2": {}, "ours avx2 int8": {}}
     assert all(s["pct_int8_peak"] is None and s["pct_fp32_peak"] is not None for s in data["share_of_peak"].values())
 
 
 def test_render_tables_name_cpu_path_and_peaks(tmp_path):
     data = _data()
-    text = bench.render(data, CFG, str(tmp_path))
+    text = report.render(data, CFG, str(tmp_path))
     lines = text.splitlines()
     assert lines[0] == f"== Engine benchmark on Test EPYC [{AVX2_CPU.family}] =="
     for row in ("ours avx2 int8x2 / llama.cpp Q4_1", "ours avx2 int8x2 / llama.cpp Q4_0",
@@ -196,10 +198,10 @@ def test_render_tables_name_cpu_path_and_peaks(tmp_path):
 def test_combine_peaks_with_int8_missing_in_one_reading():
     a = {"bf16_matmul_gflops": 1.0, "fp32_matmul_gflops": 2.0, "mem_read_gbs": 3.0, "int8_dot_gops": None}
     b = {"bf16_matmul_gflops": 2.0, "fp32_matmul_gflops": 1.0, "mem_read_gbs": 1.0, "int8_dot_gops": 50.0}
-    got = bench.combine_peaks(a, b)
-    assert [got[k] for k in bench.PEAK_KEYS] == [2.0, 2.0, 50.0, 3.0]
+    got = report.combine_peaks(a, b)
+    assert [got[k] for k in report.PEAK_KEYS] == [2.0, 2.0, 50.0, 3.0]
     assert got["readings"][0]["int8_dot_gops"] is None
-    assert bench.combine_peaks({**a, "int8_dot_gops": None}, a)["int8_dot_gops"] is None
+    assert report.combine_peaks({**a, "int8_dot_gops": None}, a)["int8_dot_gops"] is None
 
 
 def test_int8_dot_gops_is_none_or_positive():

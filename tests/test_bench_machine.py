@@ -56,7 +56,7 @@ def test_report_table_ratio_and_plot(tmp_path):
 def test_decode_flops_formula_matches_smollm2_shapes():
     from types import SimpleNamespace
 
-    from parrot.bench.engine import flops_per_token, matmul_params
+    from parrot.bench.engine_report import flops_per_token, matmul_params
 
     cfg = SimpleNamespace(hidden_size=576, q_size=576, kv_size=192, intermediate_size=1536, num_layers=30,
                           vocab_size=49152, num_heads=9, head_dim=64)

@@ -123,8 +123,6 @@ def test_probe_reads_this_machine() -> None:
 # ---- an engine on this machine ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_settings():
-    from parrot.engine.settings import EngineSettings
-
     return dict(random_model="tiny", kv_cache_tokens=512)
 
 

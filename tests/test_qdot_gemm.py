@@ -172,3 +172,29 @@ def test_prefill_sized_batches_run_dense(ops) -> None:
     assert torch.equal(lin(big), torch.nn.functional.linear(big, planes.dequantize()))
     assert lin.native_weight(5) is None and lin.native_weight(4) is lin.packed
     assert torch.equal(lin(small), ops.qdot_linear(small, lin.packed, "scalar", 2))
+
+
+def test_model_with_shapes_the_kernel_cannot_pack(ops, tiny_config) -> None:
+    """On the integer-dot path, a matmul whose input width is not a multiple of 32 stays a dense fp32 layer (exact),
+    the rest run the kernel; the model still matches its fp32 twin closely."""
+    import dataclasses
+
+    from parrot.engine.layers.linear import FastLinear
+    from parrot.engine.models.llama import build_random_model
+
+    cfg = dataclasses.replace(tiny_config, hidden_size=48, num_heads=3, num_kv_heads=1, head_dim=16,
+                              intermediate_size=64)
+    model = build_random_model(cfg, dtype=torch.float32, seed=2, weight_quant="auto", qdot=QDotKernel(ops, "scalar", 2))
+    ref = build_random_model(cfg, dtype=torch.float32, seed=2)
+    layer = model.layers[0]
+    assert (type(layer.qkv_proj), type(layer.down_proj)) == (FastLinear, QDotLinear)  # 48 features vs 64
+    assert model.layers[0].qkv_proj.quant == "none"
+
+    def attn(layer_idx, q, k, v):
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                                               v.transpose(0, 1), is_causal=True, enable_gqa=True)
+        return out.transpose(0, 1).reshape(q.shape[0], -1)
+
+    ids, pos = torch.randint(0, cfg.vocab_size, (12,)), torch.arange(12)
+    got, want = model(ids, pos, attn), ref(ids, pos, attn)
+    assert ((got - want).norm() / want.norm()).item() < 0.05  # the Q8_0 weights of the packed layers

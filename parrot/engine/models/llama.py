@@ -336,9 +336,8 @@ def assemble_model(config: ModelConfig, weights: Iterable[tuple[str, Tensor]], *
             planes = Planes.cat([to_planes(w, quant, f) for w, f in ws])
             return QDotLinear(planes, qdot, dtype=dtype, quant=quant)
         fused = torch.cat([w for w, _ in ws]) if len(ws) > 1 else ws[0][0]
-        quant = "int8" if qdot is not None else weight_quant  # an odd shape on the qdot path: torch's int8
-        return FastLinear(fused.to(device), dtype=dtype, quant=quant if quant != "auto" else "int4", pack=pack,
-                          vnni_backend=vnni_backend)
+        quant = "none" if qdot is not None else weight_quant  # a shape the qdot kernel cannot pack: dense, exact
+        return FastLinear(fused.to(device), dtype=dtype, quant=quant, pack=pack, vnni_backend=vnni_backend)
 
     for name, tensor in weights:
         if name.startswith("model.layers."):
