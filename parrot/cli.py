@@ -175,7 +175,13 @@ def main(argv: list[str] | None = None) -> None:
     ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per engine call/heartbeat otherwise
-    ns.fn(ns)
+    from parrot.common.errors import ModelNotFound
+    from parrot.engine.numerics import PathUnavailable
+
+    try:
+        ns.fn(ns)
+    except (ModelNotFound, PathUnavailable) as e:  # a start that cannot work: say why, no traceback
+        raise SystemExit(f"parrot: {e}") from None
 
 
 if __name__ == "__main__":

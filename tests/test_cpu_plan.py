@@ -179,3 +179,14 @@ def test_v1_models_lists_each_engines_numerics(tiny_settings) -> None:
     assert len(cards) == 1
     assert cards[0]["numerics"]["e0"]["path"] == "portable"
     assert cards[0]["numerics"]["e0"]["cpu_model"] == probe_cpu().model
+
+
+def test_cli_refuses_a_path_this_cpu_cannot_run() -> None:
+    """`parrot serve --cpu-path X` on a CPU without X's features exits with the reason, before serving."""
+    from parrot.cli import main
+
+    missing = [p for p in CpuPath if p not in probe_cpu().paths()]
+    if not missing:
+        pytest.skip("this CPU runs every path")
+    with pytest.raises(SystemExit, match=f"parrot: cpu_path='{missing[0].value}' needs CPU features"):
+        main(["serve", "--cpu-path", missing[0].value, "--port", "1"])
