@@ -131,8 +131,7 @@ def describe_cpu() -> dict[str, str]:
 
     plan = plan_for(EngineSettings())
     return {"cpu": plan.cpu_model, "cpu_family": plan.cpu_family,
-            "engine_numerics": plan.describe().split(": ", 1)[1] if ": " in plan.describe() else plan.describe(),
-            "cpu_path": plan.path.value}
+            "engine_numerics": plan.summary(), "cpu_path": plan.path.value}
 
 
 def _version(package: str) -> str:

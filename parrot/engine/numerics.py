@@ -66,11 +66,14 @@ class NumericsPlan:
         d["path"] = self.path.value
         return d
 
-    def describe(self) -> str:
+    def summary(self) -> str:
+        """The numerics alone: dtypes, weights, matmul kernels, native ops."""
         acts = f" ({self.act_quant} activations)" if self.qdot_variant else ""
-        return (f"{self.path.value} path on {self.cpu_model} [{self.cpu_family}]: compute {self.dtype}, KV "
-                f"{self.kv_dtype}, weights {self.weight_quant}, matmuls {self.matmul}{acts}, native ops "
-                f"{'on' if self.native_ops else 'off'}")
+        return (f"compute {self.dtype}, KV {self.kv_dtype}, weights {self.weight_quant}, matmuls {self.matmul}{acts}, "
+                f"native ops {'on' if self.native_ops else 'off'}")
+
+    def describe(self) -> str:
+        return f"{self.path.value} path on {self.cpu_model} [{self.cpu_family}]: {self.summary()}"
 
 
 def choose_path(requested: str, cpu: CpuInfo, kernels: KernelSupport | None) -> CpuPath:

@@ -402,10 +402,11 @@ inline void prefetch_row(const KT* x, int64_t D) {
     _mm_prefetch(reinterpret_cast<const char*>(x) + c, _MM_HINT_T0);
 }
 
-// out[h][32 c .. 32 c + 32) for heads [h0, h0 + HT) of KV head g: sum_t p[h][t] v_t (p normalized)
-template <int HT, typename KT>
+// out[h][32 c .. 32 c + 32) for heads [h0, h0 + HT) of KV head g (out: head h0's row): sum_t p[h][t] v_t (p
+// normalized)
+template <int HT, typename T, typename KT>
 void pv_tile(const KT* vc, const int64_t* off, int64_t L, int64_t gD, const float* s, int64_t Lp, int64_t h0,
-             int64_t c, float* acc_out) {
+             int64_t D, int64_t c, T* out) {
   __m256 acc[HT][4];
   for (int h = 0; h < HT; ++h)
     for (int i = 0; i < 4; ++i) acc[h][i] = _mm256_setzero_ps();
@@ -419,7 +420,7 @@ void pv_tile(const KT* vc, const int64_t* off, int64_t L, int64_t gD, const floa
     }
   }
   for (int h = 0; h < HT; ++h)
-    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(acc_out + h * 32 + 8 * i, acc[h][i]);
+    for (int i = 0; i < 4; ++i) v2::store8(out + h * D + 32 * c + 8 * i, acc[h][i]);
 }
 
 template <typename T, typename KT>
@@ -428,11 +429,10 @@ void item_avx2(const Problem& p, const T* q, const KT* kc, const KT* vc, T* out,
   const int64_t L = p.lens[b], G = p.G, BS = p.BS, D = p.D, row = p.KVH * D, NV = D / 8;
   const int32_t* table = p.tables + b * p.MAXB;
   const int64_t Lp = (L + 7) & ~int64_t(7);
-  // scores [G, Lp], then the fp32 query heads of one KV head [G, D] (scaled) and a pass-2 tile [3, 32]
-  buf.resize(G * Lp + G * D + 3 * 32);
+  // scores [G, Lp], then the fp32 query heads of one KV head [G, D] (scaled)
+  buf.resize(G * Lp + G * D);
   float* s = buf.data();
   float* qf = s + G * Lp;
-  float* tile = qf + G * D;
   offs.resize(L);
   for (int64_t t0 = 0, i = 0; t0 < L; t0 += BS, ++i) {
     const int64_t base = static_cast<int64_t>(table[i]) * BS * row;
@@ -472,12 +472,10 @@ void item_avx2(const Problem& p, const T* q, const KT* kc, const KT* vc, T* out,
     for (int64_t c = 0; c < D / 32; ++c)
       for (int64_t h0 = 0; h0 < G; h0 += 3) {
         const int64_t ht = std::min<int64_t>(3, G - h0);
-        if (ht == 3) pv_tile<3>(vc, offs.data(), L, g * D, s, Lp, h0, c, tile);
-        else if (ht == 2) pv_tile<2>(vc, offs.data(), L, g * D, s, Lp, h0, c, tile);
-        else pv_tile<1>(vc, offs.data(), L, g * D, s, Lp, h0, c, tile);
-        for (int64_t h = 0; h < ht; ++h)
-          for (int i = 0; i < 4; ++i)
-            v2::store8(out + (b * p.H + g * G + h0 + h) * D + 32 * c + 8 * i, _mm256_loadu_ps(tile + h * 32 + 8 * i));
+        T* oh = out + (b * p.H + g * G + h0) * D;
+        if (ht == 3) pv_tile<3>(vc, offs.data(), L, g * D, s, Lp, h0, D, c, oh);
+        else if (ht == 2) pv_tile<2>(vc, offs.data(), L, g * D, s, Lp, h0, D, c, oh);
+        else pv_tile<1>(vc, offs.data(), L, g * D, s, Lp, h0, D, c, oh);
       }
   }
 }

@@ -88,9 +88,8 @@ def to_planes(weight: Tensor, quant: str, fmt: str | None = None) -> Planes:
 
 
 # Two activation terms cost twice the integer work; from this many rows (prefill chunks) the weight dequantized
-# once per call (O(N K)) and multiplied by torch's fp32 GEMM is faster and as exact (measured on AVX2 Zen-class
-# cores, 2 threads: 1536 x 576 at 512 rows 45 -> 53 GOP/s, at 128 rows 44 vs 33; one term stays on the kernel:
-# ~83 GOP/s at every size)
+# once per call (O(N K)) and multiplied by torch's fp32 GEMM is faster (measured on AVX2: faster at 512 rows,
+# slower at 128) and as exact. One term stays on the kernel at every size (it outruns the fp32 GEMM there).
 DENSE_MIN_ROWS_TWO_TERMS = 256
 
 
