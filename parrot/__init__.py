@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 # public name -> (module, attribute)
 _EXPORTS: dict[str, tuple[str, str]] = {
     "SemanticVariable": ("parrot.frontend.variable", "SemanticVariable"),
-    "PerfCriteria": ("parrot.frontend.variable", "PerfCriteria"),
+    "PerfCriteria": ("parrot.common.perf", "PerfCriteria"),
     "LATENCY": ("parrot.frontend.variable", "LATENCY"),
     "Latency": ("parrot.frontend.variable", "Latency"),
     "THROUGHPUT": ("parrot.frontend.variable", "THROUGHPUT"),
@@ -77,6 +77,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # static names for type checkers and IDEs
     from parrot.common.errors import ParrotError, StepFailed, TemplateError, TransformSpecError
+    from parrot.common.perf import PerfCriteria
     from parrot.common.transforms import (first_line, json_field, lines, lower, remove_prefix, remove_suffix,
                                           replace, strip, truncate, upper)
     from parrot.common.transforms import regex_group as regex
@@ -84,4 +85,4 @@ if TYPE_CHECKING:  # static names for type checkers and IDEs
     from parrot.frontend.function import Output, SemanticFunction, semantic_function
     from parrot.frontend.local import local
     from parrot.frontend.native import NativeFunction, native_function
-    from parrot.frontend.variable import LATENCY, THROUGHPUT, Latency, PerfCriteria, SemanticVariable
+    from parrot.frontend.variable import LATENCY, THROUGHPUT, Latency, SemanticVariable

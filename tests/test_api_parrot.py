@@ -209,11 +209,12 @@ def test_unhealthy_engine_is_503_until_a_heartbeat(client):
 
 
 def test_chat_template_is_sandboxed_and_required():
-    from parrot.api.chat_template import ChatRenderer, ChatTemplateError
+    from parrot.api.openai_shapes import message_dicts
     from parrot.api.schemas import ChatMessage
+    from parrot.manager.chat_template import ChatRenderer, ChatTemplateError
 
     r = ChatRenderer()
-    msgs = [ChatMessage(role="user", content="hi")]
+    msgs = message_dicts([ChatMessage(role="user", content="hi")])
     assert r.render("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}", msgs) == "[user]hi"
     with pytest.raises(ChatTemplateError) as e:
         r.render("{{ ''.__class__.__mro__[1].__subclasses__() }}", msgs)

@@ -11,13 +11,13 @@ import random
 
 import pytest
 
+from parrot.common.perf import PerfCriteria, PinnedTargets
 from parrot.common.sampling import SamplingParams
 from parrot.common.step_cost import StepCost, StepStats
 from parrot.engine.interface import EngineStatus
 from parrot.manager import EngineRegistry
 from parrot.manager.dispatcher import Dispatcher
-from parrot.manager.perf import PerfCriteria
-from parrot.manager.perf_deduction import PerfTargets, RequestLabel, SchedInfo
+from parrot.manager.perf_deduction import RequestLabel, SchedInfo
 from parrot.manager.policies import (
     AppCentricPolicy,
     CapacityConfig,
@@ -230,7 +230,7 @@ def test_c_throughput_stays_off_a_latency_engine_when_it_gains_less_than_it_cost
 def test_b_a_tpot_target_becomes_the_cap_at_which_the_engine_meets_it():
     caps = CapacityConfig(latency_cap_tokens=8192, throughput_cap_tokens=16384)
     policy = AppCentricPolicy(caps)
-    label = RequestLabel(PerfCriteria.LATENCY, targets=PerfTargets(tpot_s=0.050))
+    label = RequestLabel(PerfCriteria.LATENCY, targets=PinnedTargets(tpot_s=0.050))
     req = DispatchRequest("x", prompt_tokens=400, max_new_tokens=100)
     static = policy.demand(req, SchedInfo(label), 500).cap
     assert static == caps.cap_for_tpot(0.050) == 7000  # the configured profile: 15 ms + 5 us per token

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
+import sys
+import threading
 import time
 
 import httpx
@@ -13,7 +16,7 @@ import torch
 
 from parrot.api.app import create_app
 from parrot.api.settings import ServerSettings
-from parrot.common.errors import BadSamplingParams, ContextLengthExceeded, UnknownContext
+from parrot.common.errors import BadSamplingParams, ContextLengthExceeded, EngineError, UnknownContext
 from parrot.common.sampling import FinishReason, SamplingParams
 from parrot.engine.builder import build_engine
 from parrot.engine.http_client import HTTPEngineClient
@@ -22,6 +25,7 @@ from parrot.engine.models.llama import build_random_model
 from parrot.engine.server import EngineServerSettings, create_engine_app
 from parrot.engine.settings import EngineSettings
 from parrot.frontend.local import LocalServer
+from fakes import FakeEngine
 from test_engine import TINY, default_tokenizer  # noqa: F401  (fixture)
 
 
@@ -109,3 +113,87 @@ def test_engine_registers_with_manager(default_tokenizer):  # noqa: F811
     finally:
         srv.stop()
         manager.stop()
+
+
+def test_engine_server_loads_neither_the_api_nor_the_manager():
+    code = ("import sys, parrot.engine.server; "
+            "loaded = sorted(m for m in sys.modules if m.startswith(('parrot.api', 'parrot.manager'))); "
+            "assert not loaded, loaded")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+class StallingEngine(FakeEngine):
+    """Streams one token, then either hangs (until the stream is closed) or fails with EngineError."""
+
+    def __init__(self, *, fail: bool = False) -> None:
+        super().__init__("stall-0")
+        self.fail = fail
+        self.streaming = threading.Event()  # set once the first token is out
+        self.closed = threading.Event()  # set when the engine stream is closed (the generation would abort)
+
+    async def generate_stream(self, sampling, context_id, parent_context_id=None):
+        try:
+            yield (await anext(super().generate_stream(sampling, context_id, parent_context_id)))
+            self.streaming.set()
+            if self.fail:
+                raise EngineError("fake engine failure mid-stream")
+            await asyncio.Event().wait()  # never set: only closing the stream ends it
+        finally:
+            self.closed.set()
+
+
+def asgi_spec(app, version: str | None):
+    """``app`` as served by a server speaking ASGI ``version`` (None: as uvicorn says). From 2.4 on Starlette's
+    own StreamingResponse stops listening for disconnects and waits for a failed write instead."""
+    if version is None:
+        return app
+
+    async def wrapped(scope, receive, send):
+        if scope["type"] == "http":
+            scope = {**scope, "asgi": {**scope.get("asgi", {}), "spec_version": version}}
+        await app(scope, receive, send)
+
+    return wrapped
+
+
+@pytest.mark.parametrize("spec_version", [None, "2.4"])
+def test_engine_stream_client_disconnect_closes_the_engine_stream_at_once(spec_version):
+    engine = StallingEngine()
+    srv = LocalServer(asgi_spec(create_engine_app(engine), spec_version))
+    try:
+        asyncio.run(engine.fill(FakeEngine.encode("hello"), "c1"))
+        body = {"context_id": "c1", "sampling": {"max_tokens": 50, "ignore_eos": True}, "stream": True}
+        with httpx.Client(timeout=10) as h, h.stream("POST", f"{srv.url}/engine/v1/generate", json=body) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            lines = r.iter_lines()  # held: closing this iterator would close the response
+            first = next(lines)
+            assert first.startswith("data: ") and '"token_ids":[' in first
+            assert engine.streaming.wait(5) and not engine.closed.is_set()  # hanging, with no chunk to come
+        # no further chunk would ever come: only the disconnect watcher can notice the client left
+        assert engine.closed.wait(2), "the engine stream was not closed when the client disconnected"
+    finally:
+        srv.stop()
+
+
+def test_engine_stream_error_event_reaches_the_http_client_typed():
+    engine = StallingEngine(fail=True)
+    srv = LocalServer(create_engine_app(engine))
+
+    async def main():
+        await engine.fill(FakeEngine.encode("hello"), "c1")
+        c = HTTPEngineClient(srv.url, "stall-0")
+        got = []
+        try:
+            with pytest.raises(EngineError, match="mid-stream"):
+                async for chunk in c.generate_stream(SamplingParams(max_tokens=50, ignore_eos=True), "c1"):
+                    got.append(chunk)
+        finally:
+            await c.close()
+        return got
+
+    try:
+        got = asyncio.run(main())
+        assert len(got) == 1 and len(got[0].token_ids) == 1 and engine.closed.is_set()
+    finally:
+        srv.stop()

@@ -45,7 +45,7 @@ class FakeClock:
 def run(engines, body, *, registry_clock=None, **config):
     async def main():
         registry = EngineRegistry(engines, clock=registry_clock) if registry_clock else EngineRegistry(engines)
-        mgr = Manager(registry, config=ManagerConfig(heartbeat_interval_s=0, **config))
+        mgr = Manager(registry, config=ManagerConfig(engine_heartbeat_s=0, **config))
         await mgr.start()
         try:
             return await asyncio.wait_for(body(mgr), 20)
@@ -170,6 +170,40 @@ def test_reschedule_gives_up_after_max_attempts():
     err, failover = run(engines, body, max_attempts=2)
     assert err.cause_code == "engine_unavailable" and failover["rescheduled"] == 1
     assert sum(e.generates for e in engines) == 2  # two runs in all, on two engines
+
+
+def test_failover_loop_restarts_on_loss_and_gives_up_when_not_restartable():
+    from parrot.manager.dispatcher import DispatchRequest
+    from parrot.manager.failover import Failover
+
+    async def body(mgr):
+        failover = Failover(mgr.dispatcher, max_attempts=3)
+        seen, losses = [], []
+
+        async def work(lease, attempt):
+            seen.append((lease.engine, attempt))
+            if attempt == 1:
+                raise EngineUnavailable(f"{lease.engine} refused the connection")
+            return f"done on {lease.engine}"
+
+        def on_lost(loss):  # runs once the dispatcher was told: the engine is dead already
+            state = mgr.registry.entry(loss.lease.engine).state
+            losses.append((loss.lease.engine, loss.attempt, loss.restarting, state))
+
+        result = await failover.run(DispatchRequest("r1"), work, what="r1", on_lost=on_lost)
+        restarts = failover.num_restarts
+        with pytest.raises(EngineUnavailable):  # not restartable: re-raised after the first loss
+            await failover.run(DispatchRequest("r2"), work, what="r2", restartable=lambda: False, on_lost=on_lost)
+        return result, restarts, failover.num_restarts, seen, losses
+
+    engines = [FakeEngine("e0"), FakeEngine("e1"), FakeEngine("e2")]
+    result, restarts, restarts_after, seen, losses = run(engines, body)
+    (first, _), (second, _), (third, _) = seen
+    assert [n for _, n in seen] == [1, 2, 1] and first not in (second, third)  # never back on the dead one
+    assert result == f"done on {second}" and restarts == restarts_after == 1
+    assert losses == [(first, 1, True, EngineState.DEAD), (third, 1, False, EngineState.DEAD)]
+    with pytest.raises(ValueError, match="max_attempts"):
+        Failover(None, max_attempts=0)  # type: ignore[arg-type]
 
 
 # ---- real engine processes -------------------------------------------------------------------------------------

@@ -11,10 +11,9 @@ import threading
 import httpx
 import pytest
 
-from parrot.api.completions import CompletionService
-from parrot.api.schemas import CompletionRequest
 from parrot.common.errors import EngineUnavailable
 from parrot.manager import EngineRegistry, EngineState, Manager, ManagerConfig
+from parrot.manager.completions import ChoiceDelta, ChoiceSpec, CompletionService, CompletionSpec
 from engine_procs import TINY_ENGINE, wait_until
 from fakes import TAIL, FakeEngine, UnreachableEngine
 
@@ -41,7 +40,7 @@ def run(engines, body, *, registry_clock=None):
     """``body(manager, service)`` with a least-loaded manager (e0 is picked first: fewest requests, then name)."""
     async def main():
         registry = EngineRegistry(engines, clock=registry_clock) if registry_clock else EngineRegistry(engines)
-        mgr = Manager(registry, config=ManagerConfig(heartbeat_interval_s=0))
+        mgr = Manager(registry, config=ManagerConfig(engine_heartbeat_s=0))
         await mgr.start()
         try:
             return await asyncio.wait_for(body(mgr, CompletionService(mgr.dispatcher)), 20)
@@ -55,9 +54,9 @@ PROMPT = "Tell me about parrots."
 ANSWER = (FakeEngine.reply_for(PROMPT) + TAIL)[:30]  # what any healthy engine generates in 30 tokens
 
 
-def request(stream: bool = False, n: int = 1) -> CompletionRequest:
-    return CompletionRequest(model="fake-model", prompt=PROMPT, max_tokens=30, temperature=0.0, ignore_eos=True,
-                             stream=stream, n=n)
+def request(n: int = 1) -> CompletionSpec:
+    return CompletionSpec("fake-model", [PROMPT], ChoiceSpec(n=n, max_tokens=30,
+                                                            sampling={"temperature": 0.0, "ignore_eos": True}))
 
 
 def test_non_streamed_completion_restarts_on_another_engine_when_its_engine_dies():
@@ -68,8 +67,8 @@ def test_non_streamed_completion_restarts_on_another_engine_when_its_engine_dies
         return body, mgr.registry.entry("e0").state, service.num_restarted, len(service.orphans)
 
     body, e0_state, restarted, orphans = run([e0, e1], body)
-    assert [c["text"] for c in body["choices"]] == [ANSWER, ANSWER]  # both choices rerun whole on e1
-    assert body["usage"]["completion_tokens"] == 60
+    assert [c.text for c in body.choices] == [ANSWER, ANSWER]  # both choices rerun whole on e1
+    assert body.usage.completion_tokens == 60
     assert e0_state is EngineState.DEAD and restarted == 1
     assert e1.contexts == {}  # freed on the survivor
     assert orphans == 3  # base + 2 forks left on the dead engine: freed if that process comes back
@@ -79,8 +78,9 @@ def test_stream_restarts_while_nothing_was_sent_and_fails_clearly_after():
     async def collect(service, plan):
         text, error = "", None
         try:
-            async for chunk in service.stream(plan):
-                text += chunk["choices"][0]["text"]
+            async for event in service.stream(plan):
+                if isinstance(event, ChoiceDelta):
+                    text += event.text
         except EngineUnavailable as e:
             error = e
         return text, error
@@ -88,7 +88,7 @@ def test_stream_restarts_while_nothing_was_sent_and_fails_clearly_after():
     e0, e1 = DyingEngine("e0", die_after_tokens=0), FakeEngine("e1", max_model_len=1024)
 
     async def before_first_token(mgr, service):
-        return await collect(service, await service.plan_completion(request(stream=True))), service.num_restarted
+        return await collect(service, await service.plan_completion(request())), service.num_restarted
 
     (text, error), restarted = run([e0, e1], before_first_token)
     assert (text, error, restarted) == (ANSWER, None, 1)  # transparent: the client never saw e0
@@ -96,7 +96,7 @@ def test_stream_restarts_while_nothing_was_sent_and_fails_clearly_after():
     e0, e1 = DyingEngine("e0", die_after_tokens=4), FakeEngine("e1", max_model_len=1024)
 
     async def after_tokens(mgr, service):
-        return await collect(service, await service.plan_completion(request(stream=True))), service.num_restarted
+        return await collect(service, await service.plan_completion(request())), service.num_restarted
 
     (text, error), restarted = run([e0, e1], after_tokens)
     assert text == ANSWER[:4] and restarted == 0 and e1.calls == []  # not resumed elsewhere: it would repeat
@@ -125,7 +125,7 @@ def test_a_hanging_engine_declared_dead_by_heartbeat_loses_the_prompt_to_another
         return await task, service.num_restarted
 
     body, restarted = run([e0, e1], body, registry_clock=clock)
-    assert body["choices"][0]["text"] == ANSWER and restarted == 1
+    assert body.choices[0].text == ANSWER and restarted == 1
     assert e0.generating == 0 and e0.calls_of("free") == []  # the hanging call was cancelled; no call into e0
 
 

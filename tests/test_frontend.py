@@ -6,6 +6,7 @@ its own: a test produces outputs explicitly, which makes "a call returns without
 """
 
 import asyncio
+import dataclasses
 import json
 import socket
 import subprocess
@@ -36,7 +37,6 @@ from parrot.frontend.client import (
     default_session,
     set_default_session,
 )
-from parrot.frontend.function import default_stop
 
 
 class FakeParrotAPI:
@@ -224,19 +224,6 @@ def test_definition_time_option_errors():
         P.semantic_function(lambda task: None)
 
 
-@pytest.mark.parametrize("template, output, expected", [
-    ("Code: {{output:code}}", "code", ()),                                     # end of template
-    ("A {{output:a}}. Then B: {{output:b}}", "a", (". Then B:",)),             # up to next placeholder, rstripped
-    ("A {{output:a}}\nB: {{output:b}}", "a", ("\n",)),                          # following text starts with \n
-    ("A {{output:a}}  \nB {{output:b}}", "a", ("\n",)),                         # blank first line -> \n
-    ("A {{output:a}} then more\nnext line", "a", (" then more",)),             # up to the first newline
-    ("A {{output:a}}{{output:b}}", "a", ()),                                    # placeholder follows directly
-    ("A {{output:a}}   ", "a", ()),                                             # only spaces, no newline
-])
-def test_default_stop(template, output, expected):
-    assert default_stop(parse_template(template), output) == expected
-
-
 def test_default_stop_applied_and_overridden():
     doc = "Title: {{output:title}}\nBody: {{output:body}}"
     f = _define(doc, params="")
@@ -253,6 +240,19 @@ def test_per_output_overrides_merge_over_defaults():
     assert (a.sampling.temperature, a.sampling.seed, a.sampling.ignore_eos, a.transforms) == (0.5, 7, True, ())
     assert (b.sampling.temperature, b.sampling.top_p, b.sampling.seed) == (0.0, 0.9, 7)
     assert [t.op for t in b.transforms] == ["strip", "json"]
+
+
+def test_output_takes_every_sampling_field():
+    """P.Output's sampling fields are SamplingParams' (derived, not restated): a new one works at once."""
+    assert [f.name for f in dataclasses.fields(P.Output)] == \
+        [f.name for f in dataclasses.fields(SamplingParams)] + ["transforms"]
+    f = _define("{{output:a}} then {{output:b}}", params="", max_tokens=9, include_stop_str_in_output=True,
+                outputs={"b": P.Output(include_stop_str_in_output=False, min_tokens=2)})
+    a, b = f.outputs
+    assert a.sampling == SamplingParams(max_tokens=9, stop=(" then",), include_stop_str_in_output=True)
+    assert b.sampling == SamplingParams(max_tokens=9, min_tokens=2)
+    with pytest.raises(TypeError):
+        P.Output(64)  # keyword-only: a positional value could land in the wrong field
 
 
 # ---- calls -----------------------------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ import pytest
 
 import parrot as P
 from parrot.common.errors import InvalidRequestError
-import parrot as P
 
 pytest.importorskip("fastapi")
 

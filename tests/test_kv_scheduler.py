@@ -3,9 +3,10 @@
 import pytest
 
 from parrot.common.sampling import SamplingParams
-from parrot.engine.context import Context, Op, OpKind, OpStatus
+from parrot.engine.context import OP_TRANSITIONS, Context, IllegalOpTransition, Op, OpKind, OpStatus
 from parrot.engine.kv_cache.block_pool import BlockPool, OutOfBlocks
 from parrot.engine.scheduler.scheduler import Scheduler, TooLargeForPool
+from status_tables import walk_transitions
 
 
 def test_pool_allocate_release_refcount():
@@ -25,27 +26,36 @@ def test_pool_allocate_release_refcount():
         pool.release([a[0]])
 
 
-def _fill(ctx_id, n, arrival):
-    ctx = Context(ctx_id, None, tokens=list(range(n)))
+def _fill(ctx_id, n, arrival, first=0):
+    """A fill op on a new context of tokens ``first, first + 1, ...`` (equal tokens share prefix-cache blocks)."""
+    ctx = Context(ctx_id, None, tokens=list(range(first, first + n)))
     op = Op(OpKind.FILL, ctx, arrival=arrival)
     return op
 
 
-def _apply(plan):
-    """Pretend the model ran: mark chunk tokens computed; finished fills leave the running list."""
+def _apply(s: Scheduler, plan):
+    """Pretend the model ran: the chunks' tokens are computed (through the KV manager, as the engine core does)."""
     for c in plan.chunks:
-        c.op.ctx.num_computed += c.num_tokens
+        s.kv.mark_computed(c.op.ctx, c.num_tokens)
+
+
+def _computed_context(kv, ctx_id: str, n: int, first: int = 0) -> Context:
+    """A context of ``n`` tokens whose KV is all computed."""
+    ctx = Context(ctx_id, None, tokens=list(range(first, first + n)))
+    assert kv.allocate_slots(ctx, n) is not None
+    kv.mark_computed(ctx, n)
+    return ctx
 
 
 def test_chunked_prefill_respects_token_budget():
     pool = BlockPool(100, 16)
     s = Scheduler(pool, max_num_seqs=8, max_batch_tokens=64)
-    ops = [_fill(f"c{i}", 100, i) for i in range(3)]
+    ops = [_fill(f"c{i}", 100, i, first=1000 * i) for i in range(3)]
     for op in ops:
         s.add(op)
     plan = s.schedule()
     assert plan.num_tokens == 64 and [c.op for c in plan.chunks] == [ops[0]]
-    _apply(plan)
+    _apply(s, plan)
     plan = s.schedule()
     # op0 continues with its remaining 36 tokens, op1 gets the rest of the budget
     assert [(c.op.ctx.id, c.start, c.num_tokens) for c in plan.chunks] == [("c0", 64, 36), ("c1", 0, 28)]
@@ -59,7 +69,7 @@ def test_decodes_come_first_and_generate_samples_at_end():
     s.add(g)
     plan = s.schedule()
     assert plan.chunks[0].sample and plan.chunks[0].num_tokens == 10
-    _apply(plan)
+    _apply(s, plan)
     g.ctx.tokens.append(7)  # sampled token, uncomputed
     f = _fill("f", 100, 0)  # older, but arrives now
     s.add(f)
@@ -77,7 +87,7 @@ def test_preemption_of_youngest_and_recompute():
     s.add(young)
     plan = s.schedule()
     assert {c.op.ctx.id for c in plan.chunks} == {"old", "young"} and pool.num_free == 0
-    _apply(plan)
+    _apply(s, plan)
     # both sampled: 31 tokens each; old needs slot 31 -> block 2 is enough for both? 2 blocks each = 32 tokens
     for op in (old, young):
         op.ctx.tokens.extend([1, 2, 3])  # now 33 tokens: each needs a 3rd block, none free
@@ -90,12 +100,12 @@ def test_preemption_of_youngest_and_recompute():
 def test_idle_context_is_evicted_before_preemption():
     pool = BlockPool(4, 16)
     s = Scheduler(pool, max_num_seqs=8, max_batch_tokens=256)
-    idle = Context("idle", None, tokens=list(range(32)), block_table=pool.allocate(2), num_computed=32)
+    idle = _computed_context(s.kv, "idle", 32, first=1000)
     s.park(idle)
     op = _fill("new", 60, 0)
     s.add(op)
     plan = s.schedule()
-    assert [c.op for c in plan.chunks] == [op] and idle.block_table == [] and idle.num_computed == 0
+    assert [c.op for c in plan.chunks] == [op] and idle.block_table == () and idle.num_computed == 0
 
 
 def test_too_large_for_pool_is_reported():
@@ -109,10 +119,11 @@ def test_too_large_for_pool_is_reported():
 def test_uncompute_tail_does_not_write_shared_block():
     pool = BlockPool(8, 16)
     s = Scheduler(pool, max_num_seqs=8, max_batch_tokens=256)
-    blocks = pool.allocate(2)
-    parent = Context("p", None, tokens=list(range(32)), block_table=list(blocks), num_computed=32)
-    pool.incref(blocks)
-    child = Context("c", "p", tokens=list(range(32)), block_table=list(blocks), num_computed=32)
+    parent = _computed_context(s.kv, "p", 32)
+    blocks = parent.block_table
+    child = Context("c", "p", tokens=list(range(32)))
+    s.kv.fork(parent, child)
+    assert child.block_table == blocks and child.num_computed == 32
     g = Op(OpKind.GENERATE, child, sampling=SamplingParams())
     s.add(g)
     plan = s.schedule()
@@ -150,14 +161,25 @@ def test_scheduler_matches_cached_prefix_on_admission():
     first = _fill("a", 14, 0)
     s.add(first)
     plan = s.schedule()
-    _apply(plan)
-    ctx = first.ctx
-    for i, h in enumerate(ctx.block_hashes(ctx.num_computed // 4, 4)):
-        pool.register(ctx.block_table[i], h)
+    _apply(s, plan)  # registers the 3 full blocks in the prefix cache
     s.remove(first)
-    Scheduler.drop_kv(pool, ctx)  # context freed: its 3 full blocks stay cached
+    s.kv.free(first.ctx)  # context freed: its 3 full blocks stay cached
     second = _fill("b", 14, 1)  # same tokens
     s.add(second)
     plan = s.schedule()
     (c,) = plan.chunks
     assert (c.start, c.num_tokens) == (12, 2) and second.num_cached == 12
+
+
+def test_op_status_moves_only_along_the_transition_table():
+    S = OpStatus
+    used = {  # every change the scheduler and the engine core make
+        (S.QUEUED, S.WAITING),  # started: into the waiting queue
+        (S.WAITING, S.RUNNING), (S.RUNNING, S.WAITING),  # admitted; preempted
+        (S.QUEUED, S.FINISHED), (S.QUEUED, S.FAILED),  # an empty fill; a failed start or a freed context
+        (S.WAITING, S.FINISHED), (S.WAITING, S.FAILED),  # a freed context (generate aborts); too large, failed step
+        (S.RUNNING, S.FINISHED), (S.RUNNING, S.FAILED),
+    }
+    assert {(a, b) for a, nexts in OP_TRANSITIONS.items() for b in nexts} == used
+    n = walk_transitions(OP_TRANSITIONS, S.QUEUED, lambda: _fill("x", 1, 0), Op.set_status, IllegalOpTransition)
+    assert n == len(used)

@@ -27,7 +27,7 @@ def run(coro_fn, engine: FakeEngine | None = None, *, virtual: bool = False, **c
 
     async def main():
         clock_kw = {"clock": asyncio.get_running_loop().time} if virtual else {}
-        mgr = Manager(EngineRegistry([engine], **clock_kw), config=ManagerConfig(heartbeat_interval_s=0, **config),
+        mgr = Manager(EngineRegistry([engine], **clock_kw), config=ManagerConfig(engine_heartbeat_s=0, **config),
                       **clock_kw)
         await mgr.start()
         try:

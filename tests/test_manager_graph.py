@@ -13,11 +13,11 @@ from parrot.common.errors import (
     UnknownVariable,
     VariableAlreadySet,
 )
+from parrot.common.perf import PerfCriteria
 from parrot.common.template import parse_template
 from parrot.manager.graph import Graph, PlaceholderBinding, RequestStatus, VarStatus
-from parrot.manager.perf import PerfCriteria
 from parrot.manager.prefix_store import ContextRef, PrefixStore, prefix_hashes
-from parrot.manager.submit import PlaceholderSpec, SubmitSpec, build_bindings, default_stop
+from parrot.manager.submit import PlaceholderSpec, SubmitSpec, build_bindings
 
 
 def _add(graph: Graph, prompt: str, inputs: dict[str, str], outputs: dict[str, str | None], name: str = "f"):
@@ -113,14 +113,6 @@ def test_two_outputs_keep_template_order_and_default_stops():
     req = g.add_request("f", segments, bindings)
     assert list(req.bindings) == ["a", "b", "c", "d", "e"]
     assert [g.variable(v).name for v in req.outputs] == ["b", "c", "d", "e"]
-
-
-def test_default_stop_rule():
-    assert default_stop("\nC: ") == ("\n",)
-    assert default_stop(". Next \nmore") == (". Next",)
-    assert default_stop("   \nx") == ("\n",)
-    assert default_stop("  ") == ()
-    assert default_stop(None) == () and default_stop("") == ()
 
 
 @pytest.mark.parametrize("placeholders, err", [

@@ -31,7 +31,7 @@ def run(body, engine=None, *, now=None, **config):
 
     async def main():
         kw = {"clock": lambda: now[0]} if now is not None else {}
-        mgr = Manager(EngineRegistry([engine]), config=ManagerConfig(heartbeat_interval_s=0, **config), **kw)
+        mgr = Manager(EngineRegistry([engine]), config=ManagerConfig(engine_heartbeat_s=0, **config), **kw)
         await mgr.start()
         try:
             return await asyncio.wait_for(body(mgr, engine), 20)
@@ -287,7 +287,7 @@ def test_dispatch_keeps_sharers_on_the_engine_holding_the_prefix():
     e0, e1 = FakeEngine("e0"), FakeEngine("e1")
 
     async def main():
-        mgr = Manager(EngineRegistry([e0, e1]), config=ManagerConfig(heartbeat_interval_s=0))
+        mgr = Manager(EngineRegistry([e0, e1]), config=ManagerConfig(engine_heartbeat_s=0))
         await mgr.start()
         try:
             return await asyncio.wait_for(body(mgr, e0), 20)
@@ -361,7 +361,7 @@ def test_real_engine_outputs_identical_with_sharing_and_fewer_tokens_computed():
             results = {}
             for sharing in (False, True):
                 mgr = Manager(EngineRegistry([client]),
-                              config=ManagerConfig(heartbeat_interval_s=0, prefix_sharing=sharing))
+                              config=ManagerConfig(engine_heartbeat_s=0, prefix_sharing=sharing))
                 await mgr.start()
                 try:
                     before = (await client.status()).extra["tokens_computed"]

@@ -29,7 +29,7 @@ def _blocked_request(mgr, session):
 
 def test_session_auth_and_limits():
     async def main():
-        mgr = Manager(EngineRegistry([FakeEngine()]), config=ManagerConfig(heartbeat_interval_s=0, max_sessions=2))
+        mgr = Manager(EngineRegistry([FakeEngine()]), config=ManagerConfig(engine_heartbeat_s=0, max_sessions=2))
         s = mgr.create_session(ttl_s=30)
         assert s.session_id.startswith("s_") and len(s.session_id) > 20 and len(s.token) >= 40
         assert mgr.session(s.session_id, s.token) is s
@@ -56,7 +56,7 @@ def test_ttl_expiry_closes_session_frees_contexts_and_fails_waiting_gets():
     async def main():
         eng = FakeEngine()
         eng.gate = asyncio.Event()  # the request stays running (its context alive) until expiry
-        mgr = Manager(EngineRegistry([eng]), config=ManagerConfig(heartbeat_interval_s=0), clock=lambda: now[0])
+        mgr = Manager(EngineRegistry([eng]), config=ManagerConfig(engine_heartbeat_s=0), clock=lambda: now[0])
         await mgr.start()
         try:
             s = mgr.create_session(ttl_s=10)
@@ -100,7 +100,7 @@ def test_manager_hands_its_clock_to_every_component():
 
     async def main():
         policy = _RecordingPolicy()
-        mgr = Manager(EngineRegistry([FakeEngine()]), policy=policy, config=ManagerConfig(heartbeat_interval_s=0),
+        mgr = Manager(EngineRegistry([FakeEngine()]), policy=policy, config=ManagerConfig(engine_heartbeat_s=0),
                       clock=lambda: now[0])
         await mgr.start()
         try:
@@ -128,7 +128,8 @@ def test_background_cleanup_task_expires_idle_sessions():
     async def main():
         eng = FakeEngine()
         eng.gate = asyncio.Event()
-        mgr = Manager(EngineRegistry([eng]), config=ManagerConfig(heartbeat_interval_s=0, cleanup_interval_s=0.05))
+        mgr = Manager(EngineRegistry([eng]),
+                      config=ManagerConfig(engine_heartbeat_s=0, session_cleanup_interval_s=0.05))
         await mgr.start()
         try:
             s = mgr.create_session(ttl_s=0.2)
@@ -152,7 +153,7 @@ def test_delete_session_and_stop_free_contexts():
     async def main():
         eng = FakeEngine()
         eng.gate = asyncio.Event()
-        mgr = Manager(EngineRegistry([eng]), config=ManagerConfig(heartbeat_interval_s=0))
+        mgr = Manager(EngineRegistry([eng]), config=ManagerConfig(engine_heartbeat_s=0))
         await mgr.start()
         a, b = mgr.create_session(), mgr.create_session()
         _blocked_request(mgr, a)
@@ -171,7 +172,7 @@ def test_least_loaded_dispatch_and_model_filter():
     async def main():
         e0, e1, other = FakeEngine("e0"), FakeEngine("e1"), FakeEngine("e2", model="other-model")
         mgr = Manager(EngineRegistry([e0, e1, other]), policy=LeastLoadedPolicy(),
-                      config=ManagerConfig(heartbeat_interval_s=0))
+                      config=ManagerConfig(engine_heartbeat_s=0))
         await mgr.start()
         try:
             d = mgr.dispatcher
@@ -201,3 +202,24 @@ def test_manager_does_not_import_torch():
     code = ("import sys, parrot.manager, parrot.manager.executor, parrot.manager.session; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+
+
+def test_server_settings_are_the_manager_config_plus_http_fields(monkeypatch):
+    """One definition per setting: ServerSettings carries every ManagerConfig field (same name, default and
+    constraint), fed by PARROT_<FIELD>; only the HTTP limit on a long poll is added."""
+    from parrot.api.settings import ServerSettings
+
+    assert list(ServerSettings.model_fields)[:len(ManagerConfig.model_fields)] == list(ManagerConfig.model_fields)
+    assert ServerSettings().manager_config() == ManagerConfig()
+    monkeypatch.setenv("PARROT_SESSION_CLEANUP_INTERVAL_S", "0.5")
+    monkeypatch.setenv("PARROT_ENGINE_HEARTBEAT_S", "0")
+    config = ServerSettings(policy="parrot").manager_config()
+    assert (config.session_cleanup_interval_s, config.engine_heartbeat_s, config.policy) == (0.5, 0.0, "parrot")
+    for bad in ({"session_cleanup_interval_s": 0}, {"engine_heartbeat_s": -1}, {"policy": "nope"},
+                {"latency_cap_tokens": 9, "throughput_cap_tokens": 8}, {"heartbeat_interval_s": 1}):
+        for cls in (ManagerConfig, ServerSettings):
+            with pytest.raises(ValueError, match=next(iter(bad)) if len(bad) == 1 else "latency_cap_tokens"):
+                cls(**bad)
+    assert ManagerConfig(max_long_poll_s=3600).max_long_poll_s == 3600  # the simulator's long polls
+    with pytest.raises(ValueError, match="max_long_poll_s"):
+        ServerSettings(max_long_poll_s=61)

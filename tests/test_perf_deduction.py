@@ -11,11 +11,11 @@ from fastapi.testclient import TestClient
 from parrot.api.app import create_app
 from parrot.api.settings import ServerSettings
 from parrot.common.errors import InvalidRequestError
+from parrot.common.perf import LatencyTargets, PerfCriteria, PinnedTargets
 from parrot.common.template import parse_template
 from parrot.manager import EngineRegistry, Manager, ManagerConfig
 from parrot.manager.graph import Graph, PlaceholderBinding
-from parrot.manager.perf import PerfCriteria
-from parrot.manager.perf_deduction import PerfDeduction, PerfTargets, RequestLabel, deduce, request_depths
+from parrot.manager.perf_deduction import PerfDeduction, RequestLabel, deduce, request_depths
 from parrot.manager.submit import PlaceholderSpec, SubmitSpec
 from fakes import FakeEngine
 
@@ -120,13 +120,21 @@ def test_targets_direct_producers_get_all_predecessors_only_the_deadline():
     g, maps, reduce = map_reduce(2)
     final = reduce.outputs[0]
     g.set_perf_obj(final, LAT)
-    labels = deduce(g, {final: PerfTargets(ttft_s=0.5, tpot_s=0.05, deadline=100.0)})
-    assert labels[reduce.request_id].targets == PerfTargets(0.5, 0.05, 100.0)
-    assert labels[maps[0].request_id].targets == PerfTargets(deadline=100.0)
-    assert PerfTargets(ttft_s=1.0, deadline=5.0).tightest(PerfTargets(ttft_s=2.0, tpot_s=0.1)) == \
-        PerfTargets(1.0, 0.1, 5.0)
+    labels = deduce(g, {final: PinnedTargets(ttft_s=0.5, tpot_s=0.05, deadline=100.0)})
+    assert labels[reduce.request_id].targets == PinnedTargets(0.5, 0.05, 100.0)
+    assert labels[maps[0].request_id].targets == PinnedTargets(deadline=100.0)
+    assert PinnedTargets(ttft_s=1.0, deadline=5.0).tightest(PinnedTargets(ttft_s=2.0, tpot_s=0.1)) == \
+        PinnedTargets(1.0, 0.1, 5.0)
     with pytest.raises(InvalidRequestError):
-        PerfTargets(tpot_s=0.0)
+        PinnedTargets(tpot_s=0.0)
+    # the relative form a client states, pinned at the GET's time on the manager's clock; one validation rule
+    assert LatencyTargets(ttft_s=0.5, tpot_s=0.05, deadline_s=10.0).pinned(90.0) == PinnedTargets(0.5, 0.05, 100.0)
+    assert LatencyTargets(tpot_s=0.05).pinned(90.0) == PinnedTargets(tpot_s=0.05)
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "1"):
+        with pytest.raises(InvalidRequestError, match="ttft_s"):
+            PinnedTargets(ttft_s=bad)
+        with pytest.raises(InvalidRequestError, match="ttft_s"):
+            LatencyTargets(ttft_s=bad)
 
 
 def test_deduction_runs_at_get_time_and_late_submits_are_labeled_on_arrival():
@@ -148,7 +156,7 @@ def test_deduction_runs_at_get_time_and_late_submits_are_labeled_on_arrival():
     info = d.info("s", late.request_id)
     assert info.app_order == 1000.0 and info.depth == 0 and d.info("s", producer.request_id).depth == 1
     assert d.annotate(g, out, THR) is False  # latency already recorded: throughput never loosens it
-    assert d.annotate(g, out, LAT, PerfTargets(tpot_s=0.02)) is True
+    assert d.annotate(g, out, LAT, PinnedTargets(tpot_s=0.02)) is True
     assert d.label("s", producer.request_id).targets.tpot_s == 0.02
     assert d.info("s", producer.request_id).targets.tpot_s == 0.02  # infos (cached) follow the relabel
     d.forget("s")
@@ -157,7 +165,7 @@ def test_deduction_runs_at_get_time_and_late_submits_are_labeled_on_arrival():
 
 def test_manager_get_with_criteria_labels_waiting_requests_and_dumps_them():
     async def main():
-        mgr = Manager(EngineRegistry([FakeEngine()]), config=ManagerConfig(heartbeat_interval_s=0))
+        mgr = Manager(EngineRegistry([FakeEngine()]), config=ManagerConfig(engine_heartbeat_s=0))
         await mgr.start()
         try:
             s = mgr.create_session()
@@ -170,7 +178,7 @@ def test_manager_get_with_criteria_labels_waiting_requests_and_dumps_them():
                                             PlaceholderSpec("b", False, maps[1].outputs[0]),
                                             PlaceholderSpec("r", True)], name="reduce"))
             view = await mgr.get_variable(s, red.outputs[0], criteria="latency", timeout_s=0,
-                                          targets=PerfTargets(ttft_s=0.2))
+                                          targets=PinnedTargets(ttft_s=0.2))
             return view, mgr.dag(s)
         finally:
             await mgr.stop()

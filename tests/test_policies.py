@@ -8,14 +8,14 @@ import asyncio
 
 import pytest
 
+from parrot.common.perf import PerfCriteria, PinnedTargets
 from parrot.common.sampling import SamplingParams
 from parrot.engine.context import Context, Op, OpKind
 from parrot.engine.kv_cache.block_pool import BlockPool
 from parrot.engine.scheduler.scheduler import Scheduler
 from parrot.manager import EngineRegistry
 from parrot.manager.dispatcher import Dispatcher
-from parrot.manager.perf import PerfCriteria
-from parrot.manager.perf_deduction import PerfTargets, RequestLabel, SchedInfo
+from parrot.manager.perf_deduction import RequestLabel, SchedInfo
 from parrot.manager.policies import (
     AppCentricPolicy,
     CapacityConfig,
@@ -142,11 +142,11 @@ def test_order_keeps_apps_together_and_a_blocked_request_does_not_block_others()
 def test_deadlines_and_ttft_go_first_and_tpot_tightens_the_cap():
     policy = AppCentricPolicy(CAPS)
     relaxed = queued(100, app=0.0, at=0.0)
-    urgent = queued(100, app=5.0, at=3.0, label=RequestLabel(PerfCriteria.LATENCY, targets=PerfTargets(ttft_s=1.0)))
+    urgent = queued(100, app=5.0, at=3.0, label=RequestLabel(PerfCriteria.LATENCY, targets=PinnedTargets(ttft_s=1.0)))
     bulk = queued(100, app=0.0, at=0.0, label=RequestLabel(PerfCriteria.THROUGHPUT))
     assert [x.ticket for x in sorted([bulk, relaxed, urgent], key=policy.order_key)] == \
         [urgent.ticket, relaxed.ticket, bulk.ticket]
-    strict = RequestLabel(PerfCriteria.LATENCY, targets=PerfTargets(tpot_s=0.0175))  # base 15 ms + 5 us/token
+    strict = RequestLabel(PerfCriteria.LATENCY, targets=PinnedTargets(tpot_s=0.0175))  # base 15 ms + 5 us/token
     assert policy.demand(DispatchRequest("x"), SchedInfo(strict), 0).cap == 500
     assert policy.demand(DispatchRequest("x"), SchedInfo(RequestLabel(PerfCriteria.LATENCY)), 0).cap == 1000
 
@@ -193,7 +193,7 @@ def test_the_sharing_pass_keeps_kinds_apart_and_respects_tpot_targets():
     bulk = queued(700, label=RequestLabel(PerfCriteria.THROUGHPUT), engines=("e0",))
     assert placed(policy, [bulk], latency_full) == {}
     # a TPOT target is a per-token promise: neither the request that has one nor one running next to it yields
-    strict = queued(700, label=RequestLabel(PerfCriteria.LATENCY, targets=PerfTargets(tpot_s=0.02)), engines=("e0",))
+    strict = queued(700, label=RequestLabel(PerfCriteria.LATENCY, targets=PinnedTargets(tpot_s=0.02)), engines=("e0",))
     assert policy.demand(strict.request, strict.info, 700) == Demand(1000, WorkKind.LATENCY, firm=True)
     assert placed(policy, [strict], latency_full) == {}
     firm_engine = engine("e0", (800, Demand(1000, WorkKind.LATENCY, firm=True)))
@@ -226,7 +226,7 @@ def test_the_sharing_pass_prefers_where_the_request_adds_least():
 SYS = 3000  # tokens of a GPTs app's system prompt, held on the engine (its prefix context / running forks)
 # the users want <= 55 ms per output token: with CapacityConfig's TPOT profile (15 ms + 5 us per running token)
 # a firm cap of 8000 running tokens, which the sharing pass never exceeds
-TPOT = PerfTargets(tpot_s=0.055)
+TPOT = PinnedTargets(tpot_s=0.055)
 
 
 def gpts_placed(name: str, n: int, *, hashes=("sys",), cap: int = 8000) -> tuple[PlacedRequest, ...]:
@@ -388,7 +388,7 @@ def test_engine_scheduler_admits_under_the_token_cap():
     assert [c.op for c in plan.chunks] == ops[:2]  # 100 + 100 <= 250; a third would make 300
     s.token_cap = None
     for c in plan.chunks:
-        c.op.ctx.num_computed += c.num_tokens
+        s.kv.mark_computed(c.op.ctx, c.num_tokens)
     plan = s.schedule()
     assert {c.op.ctx.id for c in plan.chunks} >= {"c2", "c3"}  # cap lifted: the rest is admitted
 

@@ -1,4 +1,4 @@
-"""parse_template / render_template / text_after: segments, and every error path with its position."""
+"""parse_template / render_template / text_after / default_stop: segments, and every error path with its position."""
 
 import pytest
 
@@ -6,6 +6,7 @@ from parrot.common.errors import TemplateError
 from parrot.common.template import (
     PlaceholderSegment,
     TextSegment,
+    default_stop,
     input_names,
     output_names,
     parse_template,
@@ -104,3 +105,18 @@ def test_text_after():
     assert text_after(segs, "c") is None  # end of template
     with pytest.raises(TemplateError):
         text_after(segs, "zz")
+
+
+@pytest.mark.parametrize("template, output, expected", [
+    ("Code: {{output:code}}", "code", ()),                                     # end of template
+    ("A {{output:a}}. Then B: {{output:b}}", "a", (". Then B:",)),             # up to next placeholder, rstripped
+    ("A {{output:a}}\nB: {{output:b}}", "a", ("\n",)),                          # following text starts with \n
+    ("A {{output:a}}  \nB {{output:b}}", "a", ("\n",)),                         # blank first line -> \n
+    ("A {{output:a}} then more\nnext line", "a", (" then more",)),             # up to the first newline
+    ("A {{output:a}}{{output:b}}", "a", ()),                                    # placeholder follows directly
+    ("A {{output:a}}   ", "a", ()),                                             # only spaces, no newline
+    ("A {{output:a}}. Next \nmore", "a", (". Next",)),                         # trailing spaces dropped
+    ("A {{output:a}}   \nx", "a", ("\n",)),                                    # spaces, then a newline -> \n
+])
+def test_default_stop(template, output, expected):
+    assert default_stop(parse_template(template), output) == expected

@@ -15,12 +15,12 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 
 from parrot.api import engine_routes, openai_routes, parrot_routes
-from parrot.api.completions import CompletionService
-from parrot.api.errors import install_error_handlers
 from parrot.api.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from parrot.api.schemas import HealthResponse
 from parrot.api.settings import ServerSettings
 from parrot.engine.interface import EngineClient
+from parrot.http_edge import install_error_handlers
+from parrot.manager.completions import CompletionService
 from parrot.manager.dispatcher import Policy
 from parrot.manager.engine_registry import EngineRegistry
 from parrot.manager.manager import Manager

@@ -1,7 +1,10 @@
 """OpenAI-compatible routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (stream or not).
 
-Planning (validation, tokenization, window check) happens before the response starts, so bad input is a
-proper 4xx even for ``stream: true``.
+Routes only translate: the request becomes the completion service's plain spec (:mod:`parrot.api.openai_shapes`),
+the service plans and runs it (:mod:`parrot.manager.completions`), the typed result is shaped back into OpenAI
+JSON or an SSE stream (:class:`parrot.http_edge.EventStreamResponse`, which stops the work at once when the
+client disconnects). Planning (validation, tokenization, window check) happens before the response starts, so
+bad input is a proper 4xx even for ``stream: true``.
 """
 
 from __future__ import annotations
@@ -9,9 +12,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from parrot.api.completions import CompletionService
+from parrot.api import openai_shapes as shapes
 from parrot.api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from parrot.api.streaming import EventStreamResponse
+from parrot.http_edge import EventStreamResponse
+from parrot.manager.completions import CompletionPlan, CompletionService
 from parrot.manager.manager import Manager
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -33,16 +37,18 @@ async def list_models(request: Request) -> ModelList:
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     service = _service(request)
-    plan = await service.plan_completion(body)
-    if body.stream:
-        return EventStreamResponse(service.stream(plan))
-    return JSONResponse(await service.complete(plan))
+    return await _respond(service, await service.plan_completion(shapes.completion_spec(body)), body)
 
 
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     service = _service(request)
-    plan = await service.plan_chat(body)
+    return await _respond(service, await service.plan_chat(shapes.chat_spec(body)), body)
+
+
+async def _respond(service: CompletionService, plan: CompletionPlan,
+                   body: CompletionRequest | ChatCompletionRequest) -> Response:
     if body.stream:
-        return EventStreamResponse(service.stream(plan))
-    return JSONResponse(await service.complete(plan))
+        return EventStreamResponse(shapes.stream_chunks(plan, service.stream(plan),
+                                                        with_usage=shapes.include_usage(body)))
+    return JSONResponse(shapes.completion_body(plan, await service.complete(plan)))

@@ -1,7 +1,7 @@
 """Parrot API routes (``/api/v1``): sessions, Semantic Variables, submit, get, DAG (docs/api.md).
 
 Routes validate and delegate to the :class:`~parrot.manager.Manager` in ``app.state``; errors are typed and
-mapped once by :mod:`parrot.api.errors`.
+mapped once by :mod:`parrot.http_edge`.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from parrot.api.schemas import (
     SubmitResponse,
     VariableResponse,
 )
+from parrot.common.perf import LatencyTargets
 from parrot.manager.manager import Manager
-from parrot.manager.perf_deduction import PerfTargets
-from parrot.manager.session import Session
+from parrot.manager.session import SessionState
 from parrot.manager.submit import PlaceholderSpec, SubmitSpec
 
 router = APIRouter(prefix="/api/v1", tags=["parrot"])
@@ -36,12 +36,12 @@ def get_manager(request: Request) -> Manager:
 
 
 def get_session(sid: str, request: Request,
-                token: Annotated[str | None, Header(alias=SESSION_TOKEN_HEADER)] = None) -> Session:
+                token: Annotated[str | None, Header(alias=SESSION_TOKEN_HEADER)] = None) -> SessionState:
     return get_manager(request).session(sid, token)
 
 
 ManagerDep = Annotated[Manager, Depends(get_manager)]
-SessionDep = Annotated[Session, Depends(get_session)]
+SessionDep = Annotated[SessionState, Depends(get_session)]
 
 
 @router.post("/sessions", response_model=SessionResponse)
@@ -81,9 +81,9 @@ async def get_variable(
 ) -> VariableResponse:
     targets = None
     if ttft_ms is not None or tpot_ms is not None or deadline_s is not None:
-        targets = PerfTargets(ttft_s=ttft_ms / 1000 if ttft_ms is not None else None,
-                              tpot_s=tpot_ms / 1000 if tpot_ms is not None else None,
-                              deadline=manager.clock() + deadline_s if deadline_s is not None else None)
+        targets = LatencyTargets(ttft_s=ttft_ms / 1000 if ttft_ms is not None else None,
+                                 tpot_s=tpot_ms / 1000 if tpot_ms is not None else None,
+                                 deadline_s=deadline_s).pinned(manager.clock())
     view = await manager.get_variable(session, vid, criteria=criteria, timeout_s=timeout, targets=targets)
     return VariableResponse(var_id=view.var_id, name=view.name, status=view.status.value, value=view.value)
 

@@ -145,9 +145,26 @@ def render_template(segments: list[Segment], values: Mapping[str, str], *, until
 
 def text_after(segments: list[Segment], name: str) -> str | None:
     """The constant text that directly follows placeholder ``name`` (None if another placeholder or the
-    end of the template follows it). Used to pick a default stop string for an output."""
+    end of the template follows it). :func:`default_stop` picks an output's stop string from it."""
     for i, seg in enumerate(segments):
         if isinstance(seg, PlaceholderSegment) and seg.name == name:
             nxt = segments[i + 1] if i + 1 < len(segments) else None
             return nxt.text if isinstance(nxt, TextSegment) else None
     raise TemplateError(f"template has no placeholder named {name!r}", param=name)
+
+
+def default_stop(segments: list[Segment], output: str) -> tuple[str, ...]:
+    """Where ``output`` ends when its sampling names no stop: where the constant text after it begins.
+
+    The stop is that text up to its first newline (trailing spaces dropped), or ``"\\n"`` if it starts with a
+    newline (or its first line is blank); no stop if only spaces, another placeholder or the end follows. The
+    frontend applies it when a function is defined, the server on a submit whose output names no ``stop``; an
+    explicit ``stop`` (even an empty one) replaces it.
+    """
+    following = text_after(segments, output)
+    if not following:
+        return ()
+    head = following.split("\n", 1)[0].rstrip()
+    if head.strip():
+        return (head,)
+    return ("\n",) if "\n" in following else ()

@@ -10,6 +10,10 @@ A child created from a parent copies the parent's token list and references (inc
 computed* blocks; the partial tail is recomputed by the child, so shared blocks are never written again.
 Freeing a parent only drops its references: children keep theirs. A context whose KV was dropped (preempted
 or evicted) keeps its tokens and is recomputed when next used.
+
+The KV side (``block_table``, ``num_computed``, ``num_registered``; ``kv_state`` is a frozen snapshot of the
+three) is read-only here: only :class:`~parrot.engine.kv_cache.manager.KVManager` changes it. An op's status
+moves only along :data:`OP_TRANSITIONS`.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any, Callable
 
 from parrot.common.sampling import FinishReason, SamplingParams
 from parrot.engine.kv_cache.block_pool import chain_hashes
+from parrot.engine.kv_cache.manager import ContextKV
 
 
 class OpKind(enum.Enum):
@@ -38,6 +43,21 @@ class OpStatus(enum.Enum):
     FAILED = "failed"
 
 
+# op lifecycle: QUEUED -> WAITING -> RUNNING -> FINISHED | FAILED; a preempted op goes back RUNNING -> WAITING; an
+# op ends from any live state (an empty fill, a failed start, a freed context, a failed step)
+OP_TRANSITIONS: dict[OpStatus, frozenset[OpStatus]] = {
+    OpStatus.QUEUED: frozenset({OpStatus.WAITING, OpStatus.FINISHED, OpStatus.FAILED}),
+    OpStatus.WAITING: frozenset({OpStatus.RUNNING, OpStatus.FINISHED, OpStatus.FAILED}),
+    OpStatus.RUNNING: frozenset({OpStatus.WAITING, OpStatus.FINISHED, OpStatus.FAILED}),
+    OpStatus.FINISHED: frozenset(),
+    OpStatus.FAILED: frozenset(),
+}
+
+
+class IllegalOpTransition(AssertionError):
+    """An op status change :data:`OP_TRANSITIONS` does not allow: a bug in the engine, not a request error."""
+
+
 _op_seq = itertools.count()
 
 
@@ -46,8 +66,6 @@ class Context:
     id: str
     parent_id: str | None
     tokens: list[int] = field(default_factory=list)
-    block_table: list[int] = field(default_factory=list)
-    num_computed: int = 0
     # Opaque to the scheduler: the runner stores the final hidden state of the last computed token here, so a
     # Generate on a fully computed context can sample without recomputing anything. Valid while
     # num_computed == len(tokens) (it depends only on the tokens, so it survives eviction).
@@ -58,11 +76,32 @@ class Context:
     freed: bool = False
     # chain hashes of the full token blocks (a function of ``tokens`` only; extended lazily, see block_hashes)
     _hashes: list[int] = field(default_factory=list)
-    num_registered: int = 0  # leading blocks of block_table already registered in the prefix cache
+    # KV state: read-only here, rebound only by parrot.engine.kv_cache.manager (immutable values: a tuple, ints)
+    _block_ids: tuple[int, ...] = field(default=(), init=False)
+    _num_computed: int = field(default=0, init=False)
+    _num_registered: int = field(default=0, init=False)
+
+    @property
+    def block_table(self) -> tuple[int, ...]:
+        return self._block_ids
+
+    @property
+    def num_computed(self) -> int:
+        return self._num_computed
+
+    @property
+    def num_registered(self) -> int:
+        """Leading blocks of block_table already offered to the prefix cache."""
+        return self._num_registered
+
+    @property
+    def kv_state(self) -> ContextKV:
+        """A frozen snapshot of the KV state."""
+        return ContextKV(self._block_ids, self._num_computed, self._num_registered)
 
     @property
     def num_uncomputed(self) -> int:
-        return len(self.tokens) - self.num_computed
+        return len(self.tokens) - self._num_computed
 
     def block_hashes(self, n_blocks: int, block_size: int) -> list[int]:
         """Chain hashes of the first ``n_blocks`` full blocks of ``tokens`` (prefix-cache keys)."""
@@ -83,7 +122,7 @@ class Op:
     sampling: SamplingParams | None = None  # GENERATE only
     arrival: float = field(default_factory=time.monotonic)
     seq_no: int = field(default_factory=lambda: next(_op_seq))
-    status: OpStatus = OpStatus.QUEUED
+    _status: OpStatus = field(default=OpStatus.QUEUED, init=False)
     # filled in while running
     prompt_len: int = 0  # context length when the op started
     num_cached: int = 0  # FILL: tokens that were already computed (shared / cached KV)
@@ -97,6 +136,17 @@ class Op:
     generator: Any = None  # torch.Generator for seeded sampling (GENERATE), created by the sampler
     on_chunk: Callable[[list[int], str, FinishReason | None], None] | None = None
     on_done: Callable[["Op", BaseException | None], None] | None = None
+
+    @property
+    def status(self) -> OpStatus:
+        return self._status
+
+    def set_status(self, status: OpStatus) -> None:
+        """Move to ``status``; raises IllegalOpTransition unless :data:`OP_TRANSITIONS` allows it."""
+        if status not in OP_TRANSITIONS[self._status]:
+            raise IllegalOpTransition(f"op {self.seq_no} on context {self.ctx.id!r}: {self._status.value} -> "
+                                      f"{status.value} is not a legal transition")
+        self._status = status
 
     @property
     def is_generate(self) -> bool:

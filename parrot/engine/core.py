@@ -2,7 +2,9 @@
 
 The public calls (fill / generate / free_context / set_token_cap / pin_prefix) validate their arguments in the
 caller and hand a command to the engine's *owner*, which runs commands only between steps and is the only
-writer of contexts, ops, the block pool and the scheduler. One owner turn::
+writer of contexts, ops and the scheduler. KV state (block tables, computed prefixes, the block pool) changes only
+through the scheduler's :class:`~parrot.engine.kv_cache.manager.KVManager`, which the core shares for fork, free,
+computed tokens and pins. One owner turn::
 
     commands                          # ops queued on their contexts, contexts forked / freed, caps set
     plan = core.next_plan()           # the scheduler's batch plan (None: nothing runnable)
@@ -36,7 +38,7 @@ from parrot.common.sampling import FinishReason, SamplingParams
 from parrot.common.step_cost import StepStats
 from parrot.engine.context import Context, Op, OpKind, OpStatus
 from parrot.engine.interface import EngineStatus, FillResult, GenerateResult
-from parrot.engine.kv_cache.block_pool import BlockPool, chain_hashes
+from parrot.engine.kv_cache.block_pool import BlockPool
 from parrot.engine.scheduler.scheduler import BatchPlan, Scheduler, TooLargeForPool
 from parrot.engine.stopping import StopChecker
 
@@ -83,19 +85,22 @@ class EngineCore(abc.ABC):
                  numerics: dict | None = None) -> None:
         """``cached_status``: callers run on other threads than the owner, so :meth:`status` answers the snapshot
         the owner takes after each turn and each status-changing command; otherwise it snapshots on call.
-        ``numerics``: how the runner computes (NumericsPlan.to_dict()), reported in status and model info."""
+        ``numerics``: how the runner computes (NumericsPlan.to_dict()), reported in status and model info.
+        ``pool`` must be the one ``scheduler`` plans over (its KV manager's)."""
+        if scheduler.kv.pool is not pool:
+            raise ValueError("pool: the scheduler plans over another block pool")
         self.name = name
         self.numerics = dict(numerics or {})
         self.model_name = model_name
         self.runner = runner
         self.pool = pool
         self.scheduler = scheduler
+        self.kv = scheduler.kv  # the one writer of KV state, shared with the scheduler
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.clock = clock  # op arrival (FCFS order), context LRU, first-token and latency times
         self.eos_token_ids = tuple(tokenizer.eos_token_ids)
         self.contexts: dict[str, Context] = {}
-        self._pins: dict[int, list[int]] = {}  # last chain hash of a pinned prefix -> its pinned blocks
         self.num_steps = 0
         self.num_tokens_computed = 0
         # iteration time vs batch (reported in status for the global scheduler's cost-aware placement): each
@@ -151,7 +156,7 @@ class EngineCore(abc.ABC):
             ctx.pending.clear()
             ctx.active = None
             self.scheduler.forget(ctx)
-            Scheduler.drop_kv(self.pool, ctx)
+            self.kv.free(ctx)
             ctx.last_hidden = None
             self.refresh_status()  # callers read status right after a free
             _settle(fut, None)
@@ -178,14 +183,9 @@ class EngineCore(abc.ABC):
         toks = self._check_tokens(token_ids)
 
         def cmd(fut: ResultFuture) -> None:
-            hashes = chain_hashes(toks, self.pool.block_size)
-            key = hashes[-1] if hashes else None
-            self.pool.unpin(self._pins.pop(key, []) if key is not None else [])
-            blocks = self.pool.pin(hashes) if pinned and key is not None else []
-            if blocks:
-                self._pins[key] = blocks
+            n = self.kv.pin_prefix(toks, pinned)
             self.refresh_status()
-            _settle(fut, len(blocks))
+            _settle(fut, n)
 
         return self._command(cmd)
 
@@ -243,13 +243,9 @@ class EngineCore(abc.ABC):
 
     def _fork(self, context_id: str, parent: Context) -> Context:
         """Child shares the parent's full computed blocks (incref); the partial tail is recomputed by the child."""
-        bs = self.pool.block_size
-        n_share = parent.num_computed // bs
-        shared = parent.block_table[:n_share]
-        self.pool.incref(shared)
         now = self.clock()
-        child = Context(context_id, parent.id, tokens=list(parent.tokens), block_table=list(shared),
-                        num_computed=n_share * bs, num_registered=min(n_share, parent.num_registered), last_used=now)
+        child = Context(context_id, parent.id, tokens=list(parent.tokens), last_used=now)
+        self.kv.fork(parent, child)
         if child.num_computed == len(child.tokens):
             child.last_hidden = parent.last_hidden
         parent.last_used = now
@@ -260,8 +256,7 @@ class EngineCore(abc.ABC):
         if ctx.active is None:
             self._start(op)
         else:
-            op.status = OpStatus.QUEUED
-            ctx.pending.append(op)
+            ctx.pending.append(op)  # QUEUED (a new op's status) behind the active op
 
     def _start(self, op: Op) -> None:
         ctx = op.ctx
@@ -292,7 +287,7 @@ class EngineCore(abc.ABC):
         self.scheduler.add(op)
 
     def _complete(self, op: Op, err: BaseException | None, *, start_next: bool = True) -> None:
-        op.status = OpStatus.FAILED if err is not None else OpStatus.FINISHED
+        op.set_status(OpStatus.FAILED if err is not None else OpStatus.FINISHED)
         ctx = op.ctx
         if ctx.active is op:
             ctx.active = None
@@ -341,16 +336,9 @@ class EngineCore(abc.ABC):
             t0, rows, ctx_tokens, prefill = self._plan_started
             self._plan_started = None
             self.step_stats.add(rows, ctx_tokens, prefill, self.clock() - t0)
-        bs = self.pool.block_size
         for ctx, n in out.computed:
-            ctx.num_computed += n
+            self.kv.mark_computed(ctx, n)
             self.num_tokens_computed += n
-            n_full = ctx.num_computed // bs
-            if n_full > ctx.num_registered:
-                hashes = ctx.block_hashes(n_full, bs)
-                for i in range(ctx.num_registered, n_full):
-                    self.pool.register(ctx.block_table[i], hashes[i])
-                ctx.num_registered = n_full
         for ctx, h in out.last_hidden:
             ctx.last_hidden = h
         now = self.clock()
@@ -401,7 +389,7 @@ class EngineCore(abc.ABC):
         """Fail every scheduled op (after an internal error in a step) and drop their contexts' KV."""
         for op in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.remove(op)
-            Scheduler.drop_kv(self.pool, op.ctx)
+            self.kv.free(op.ctx)
             self._complete(op, err)
 
     # ---- results -----------------------------------------------------------------------------------------------

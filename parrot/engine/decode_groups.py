@@ -52,7 +52,7 @@ def _common_blocks(members: list[Chunk], block_size: int) -> int:
     return common
 
 
-def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...], limit: int) -> int:
     """Length of the common prefix of ``a`` and ``b``, at most ``limit`` (binary search over C-speed slice
     compares: prefix equality is monotone in the length)."""
     if a[:limit] == b[:limit]:

@@ -136,7 +136,7 @@ class ModelRunner:
         table = []
         for c in chunks:
             t = c.op.ctx.block_table[P : P + max_blocks]
-            table.append(t + [0] * (max_blocks - len(t)))
+            table.append(list(t) + [0] * (max_blocks - len(t)))
         prefix = BlockRef.of([chunks[0].op.ctx.block_table[:P]], self.device) if P else None
         return DecodeGroup(row0, len(chunks), prefix, P * bs,
                            torch.tensor(table, dtype=torch.int32, device=self.device),

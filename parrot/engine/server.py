@@ -1,26 +1,28 @@
 """`parrot engine`: the builtin engine as its own FastAPI process (Fill / Generate / FreeContext over HTTP).
 
 Endpoints (prefix /engine/v1): fill, generate (JSON or SSE with ``stream``), free_context, status, tokenize,
-detokenize, model_info, token_cap (the manager's placement hint); plus /health. Errors are OpenAI-style bodies with the typed error's status and code.
+detokenize, model_info, token_cap (the manager's placement hint); plus /health. Errors are OpenAI-style bodies
+with the typed error's status and code, and a streamed generate is the shared SSE response
+(:mod:`parrot.http_edge`): ``data: {chunk}`` per chunk, an error event if the engine fails mid-stream, then
+``data: [DONE]``; a client that disconnects closes the engine stream at once (the generation is aborted).
 With a manager URL the engine registers itself and sends heartbeats carrying its status; standalone it serves.
+It imports only the engine side, :mod:`parrot.common` and the HTTP edge: an engine process loads neither the API
+app nor the manager (a test checks).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator
 
+import anyio
 import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi import FastAPI
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from parrot.api.errors import install_error_handlers
-from parrot.common.errors import ParrotError
 from parrot.common.sampling import SamplingParams
 from parrot.engine.interface import EngineClient
 from parrot.engine.wire import (
@@ -32,6 +34,7 @@ from parrot.engine.wire import (
     TokenizeRequest,
     to_json,
 )
+from parrot.http_edge import EventStreamResponse, install_error_handlers
 
 log = logging.getLogger(__name__)
 
@@ -77,27 +80,25 @@ def create_engine_app(client: EngineClient, settings: EngineServerSettings | Non
         return to_json(await client.fill(req.token_ids, req.context_id, req.parent_context_id))
 
     @app.post("/engine/v1/generate")
-    async def generate(req: GenerateRequest, request: Request):
+    async def generate(req: GenerateRequest):
         sampling = SamplingParams.from_dict(req.sampling)
         if not req.stream:
             return to_json(await client.generate(sampling, req.context_id, req.parent_context_id))
         stream = client.generate_stream(sampling, req.context_id, req.parent_context_id)
         first = await anext(stream)  # errors before the first token still become a typed 4xx/5xx
 
-        async def events() -> AsyncIterator[str]:
+        async def events() -> AsyncIterator[dict]:
+            # the response closes this iterator however the stream ends (done, failed, client gone); closing
+            # the engine stream then aborts its generation
             try:
-                yield f"data: {json.dumps(to_json(first))}\n\n"
+                yield to_json(first)
                 async for chunk in stream:
-                    if await request.is_disconnected():
-                        break
-                    yield f"data: {json.dumps(to_json(chunk))}\n\n"
-            except ParrotError as e:
-                yield f"data: {json.dumps(e.to_body())}\n\n"
+                    yield to_json(chunk)
             finally:
-                await stream.aclose()
-            yield "data: [DONE]\n\n"
+                with anyio.CancelScope(shield=True):
+                    await stream.aclose()
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return EventStreamResponse(events())
 
     @app.post("/engine/v1/free_context")
     async def free_context(req: FreeRequest) -> dict:

@@ -13,9 +13,9 @@
 Everything is checked at definition time: the docstring template (dedented with ``inspect.cleandoc``), the
 function parameters against the template inputs, the sampling parameters and the transform specs.
 
-Default stop: an output that is followed by constant text stops where that text begins, i.e. at the text up
-to its first newline (trailing spaces dropped), or at ``"\\n"`` when that text starts with a newline or its
-first line is blank. An explicit ``stop`` (even ``[]``) replaces the default.
+Default stop: an output that is followed by constant text stops where that text begins
+(:func:`~parrot.common.template.default_stop`, the server's rule too). An explicit ``stop`` (even ``[]``)
+replaces the default.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 
 from parrot.common.errors import TemplateError
 from parrot.common.sampling import SamplingParams
-from parrot.common.template import PlaceholderSegment, Segment, input_names, parse_template, placeholders, text_after
+from parrot.common.template import PlaceholderSegment, Segment, default_stop, input_names, parse_template, placeholders
 from parrot.common.transforms import Transform, validate_transforms
 from parrot.frontend.client import Session, resolve_session
 from parrot.frontend.variable import SemanticVariable
@@ -37,22 +37,19 @@ from parrot.frontend.variable import SemanticVariable
 RESERVED_PARAMS = frozenset({"session"})
 
 
-@dataclass(frozen=True)
-class Output:
-    """Per-output settings; ``None`` fields fall back to the function-level defaults, then SamplingParams'."""
+# every SamplingParams field, optional: None = not set here (a new sampling field appears in Output by itself)
+_OptionalSampling = dataclasses.make_dataclass(
+    "_OptionalSampling", [(f.name, f"{f.type} | None", dataclasses.field(default=None))
+                          for f in dataclasses.fields(SamplingParams)],
+    frozen=True, kw_only=True, namespace={"__module__": __name__})
 
-    max_tokens: int | None = None
-    min_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    stop: Sequence[str] | str | None = None
-    stop_token_ids: Sequence[int] | None = None
-    seed: int | None = None
-    ignore_eos: bool | None = None
+
+@dataclass(frozen=True, kw_only=True)
+class Output(_OptionalSampling):
+    """Per-output settings: any :class:`~parrot.common.sampling.SamplingParams` field (``max_tokens``,
+    ``temperature``, ``stop``, ...) plus ``transforms``. ``None`` fields fall back to the function-level
+    defaults, then SamplingParams'."""
+
     transforms: Sequence[Mapping | Transform] | None = None
 
     def merged_over(self, base: "Output") -> "Output":
@@ -74,20 +71,9 @@ class OutputConfig:
                 "transforms": [t.to_spec() for t in self.transforms]}
 
 
-def default_stop(segments: list[Segment], output: str) -> tuple[str, ...]:
-    """The stop string implied by the constant text after ``output`` (see module docstring)."""
-    following = text_after(segments, output)
-    if not following:
-        return ()
-    head = following.split("\n", 1)[0].rstrip()
-    if head.strip():
-        return (head,)
-    return ("\n",) if "\n" in following else ()
-
-
 def _resolve_output(segments: list[Segment], name: str, settings: Output) -> OutputConfig:
-    fields = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)
-              if f.name != "transforms" and getattr(settings, f.name) is not None}
+    fields = {f.name: getattr(settings, f.name) for f in dataclasses.fields(SamplingParams)
+              if getattr(settings, f.name) is not None}
     if "stop" not in fields:
         fields["stop"] = default_stop(segments, name)
     sampling = SamplingParams(**fields)  # validates -> BadSamplingParams

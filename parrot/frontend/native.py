@@ -24,8 +24,9 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from parrot.common.perf import PerfCriteria
 from parrot.frontend.client import Session, resolve_session
-from parrot.frontend.variable import LATENCY, PerfCriteria, SemanticVariable
+from parrot.frontend.variable import LATENCY, SemanticVariable
 
 log = logging.getLogger(__name__)
 

@@ -22,13 +22,12 @@ import asyncio
 import concurrent.futures
 import enum
 import logging
-import math
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from parrot.common.errors import InvalidRequestError, ParrotError, StepFailed, VariableAlreadySet
+from parrot.common.perf import LatencyTargets, PerfCriteria
 from parrot.frontend.client import MAX_POLL_S, resolve_session
 
 if TYPE_CHECKING:
@@ -38,49 +37,19 @@ log = logging.getLogger(__name__)
 
 NATIVE_POLL_S = 0.5  # poll chunk while a client-side (native) ancestor is pending: its failure must surface
 
-
-class PerfCriteria(str, enum.Enum):
-    """End-to-end performance objective annotated on a ``get`` (paper §4.1, §5.2)."""
-
-    LATENCY = "latency"
-    THROUGHPUT = "throughput"
-
-
 LATENCY = PerfCriteria.LATENCY
 THROUGHPUT = PerfCriteria.THROUGHPUT
 
 
-@dataclass(frozen=True)
-class Latency:
+class Latency(LatencyTargets):
     """The LATENCY criterion with targets (the extension the paper names): ``ttft_s`` -- first token within
     this, ``tpot_s`` -- at most this per output token (the scheduler caps the engine's batch to keep it),
-    ``deadline_s`` -- the value wanted within this many seconds of the ``get``. Each is optional, > 0::
+    ``deadline_s`` -- the value wanted within this many seconds of the ``get``. Each is optional, > 0 and
+    finite (:class:`~parrot.common.perf.LatencyTargets` validates them and writes the GET parameters)::
 
         answer.get(perf=Latency(tpot_s=0.05, deadline_s=10))
 
     The producers of the fetched variable inherit all three, their predecessors only the deadline."""
-
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-    deadline_s: float | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("ttft_s", "tpot_s", "deadline_s"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not (value > 0 and math.isfinite(value))):
-                raise InvalidRequestError(f"{name} must be a positive number of seconds, got {value!r}", param=name)
-
-    def query(self) -> dict[str, float]:
-        """The GET parameters (docs/api.md: ``ttft_ms``, ``tpot_ms``, ``deadline_s``)."""
-        out: dict[str, float] = {}
-        if self.ttft_s is not None:
-            out["ttft_ms"] = self.ttft_s * 1000
-        if self.tpot_s is not None:
-            out["tpot_ms"] = self.tpot_s * 1000
-        if self.deadline_s is not None:
-            out["deadline_s"] = self.deadline_s
-        return out
 
 
 Perf = PerfCriteria | str | Latency

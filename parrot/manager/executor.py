@@ -13,10 +13,12 @@ consumers start right away, even before the request's later outputs), continue; 
 With prefix sharing (:mod:`parrot.manager.prefix_sharing`) the context is instead created as a fork of a
 prefix context holding the pieces up to a boundary, and the first fill carries only the pieces after it.
 
-Failover: if the engine becomes unreachable (a call raises EngineUnavailable) or is declared dead while the
-request runs (its lease is lost), the request is rescheduled: it restarts from its head on another engine, up
-to ``max_attempts`` runs in all. Outputs it already materialized stay: their generated text is filled back
-instead of generated again, so every consumer sees one value per variable.
+Failover (:class:`~parrot.manager.failover.Failover`, the loop the completion service uses too): if the engine
+becomes unreachable (a call raises EngineUnavailable) or is declared dead while the request runs (its lease is
+lost), the request is rescheduled: it restarts from its head on another engine, up to ``max_attempts`` runs in
+all. Outputs it already materialized stay: their generated text is filled back instead of generated again, so
+every consumer sees one value per variable. A request that loses its engine after materializing every output
+(while freeing its context) is finished, not rescheduled.
 """
 
 from __future__ import annotations
@@ -29,17 +31,16 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from parrot.common.errors import EngineUnavailable, ParrotError, StepFailed, UnknownContext, UnknownSession
+from parrot.common.perf import PerfCriteria
 from parrot.common.template import TextSegment
 from parrot.common.transforms import apply_transforms
 from parrot.engine.interface import EngineClient, ModelInfo
 from parrot.manager.dispatcher import Dispatcher, DispatchRequest, Lease
-from parrot.manager.engine_registry import EngineState
-from parrot.manager.failover import OrphanContexts, run_unless_lost
+from parrot.manager.failover import Failover, Loss, OrphanContexts
 from parrot.manager.graph import PlaceholderBinding, RequestNode, RequestStatus, Variable, VarStatus
-from parrot.manager.perf import PerfCriteria
 from parrot.manager.prefix_sharing import Boundary, Fork, PrefixSharing, PromptHead
 from parrot.manager.prefix_store import ContextRef, PrefixHasher, PrefixStore
-from parrot.manager.session import Session
+from parrot.manager.session import SessionState
 
 logger = logging.getLogger(__name__)
 
@@ -48,33 +49,35 @@ CLOSE_WAIT_S = 10.0  # how long closing a session waits for its cancelled tasks 
 
 class GraphExecutor:
     def __init__(self, dispatcher: Dispatcher, prefix_store: PrefixStore, *, sharing: PrefixSharing | None = None,
-                 on_activity: Callable[[Session], None] | None = None, clock: Callable[[], float] = time.time,
+                 on_activity: Callable[[SessionState], None] | None = None, clock: Callable[[], float] = time.time,
                  max_attempts: int = 3):
-        if max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {max_attempts!r}")
+        self.failover = Failover(dispatcher, max_attempts=max_attempts)  # raises ValueError for max_attempts < 1
         self.dispatcher = dispatcher
         self.prefix_store = prefix_store
         self.sharing = sharing  # None or disabled: every request fills its whole prompt
         self._on_activity = on_activity or (lambda session: None)
         self._clock = clock
-        self.max_attempts = max_attempts
-        self.num_rescheduled = 0  # runs restarted on another engine after an engine failure
         # request key -> {output var id: raw generated text} of outputs materialized by an earlier run
         self._generated: dict[str, dict[str, str]] = {}
         self._orphans = OrphanContexts(dispatcher.registry)  # contexts left on engines while they were dead
 
+    @property
+    def num_rescheduled(self) -> int:
+        """Runs restarted on another engine after an engine failure."""
+        return self.failover.num_restarts
+
     # ---- entry points ---------------------------------------------------------------------------------------
-    def submitted(self, session: Session, req: RequestNode) -> None:
+    def submitted(self, session: SessionState, req: RequestNode) -> None:
         """A request was added to the graph: queue its known prefix hashes and start it if it is ready."""
         self.prefix_store.add_queued(_key(session, req), self._known_boundaries(session, req))
         self._advance(session, [req.request_id])
 
-    def set_value(self, session: Session, var_id: str, value: str) -> Variable:
+    def set_value(self, session: SessionState, var_id: str, value: str) -> Variable:
         """A client PUT: materialize a free variable and start what waited for it."""
         session.graph.check_settable(var_id)
         return self._materialize(session, var_id, value)
 
-    async def close_session(self, session: Session) -> None:
+    async def close_session(self, session: SessionState) -> None:
         """Cancel the session's requests, fail its pending variables (waiting gets wake up with a StepFailed
         whose cause is ``unknown_session``) and free every engine context it still holds."""
         session.closed = True
@@ -100,12 +103,12 @@ class GraphExecutor:
             await self.sharing.close_session(session.session_id)
 
     # ---- propagation ----------------------------------------------------------------------------------------
-    def _materialize(self, session: Session, var_id: str, value: str) -> Variable:
+    def _materialize(self, session: SessionState, var_id: str, value: str) -> Variable:
         var = session.graph.materialize(var_id, value)
         self._advance(session, var.consumers)
         return var
 
-    def _advance(self, session: Session, request_ids: Iterable[str]) -> None:
+    def _advance(self, session: SessionState, request_ids: Iterable[str]) -> None:
         """Start each WAITING request whose inputs are all READY; fail (transitively) those with a failed input."""
         graph = session.graph
         work = deque(request_ids)
@@ -124,7 +127,7 @@ class GraphExecutor:
             elif ready:
                 self._start(session, req)
 
-    def _fail_request(self, session: Session, req: RequestNode, err: StepFailed) -> list[str]:
+    def _fail_request(self, session: SessionState, req: RequestNode, err: StepFailed) -> list[str]:
         """Fail ``req`` and its still-pending outputs; return the consumers to re-examine."""
         graph = session.graph
         req.error = err
@@ -136,11 +139,11 @@ class GraphExecutor:
                 consumers.extend(graph.variables[vid].consumers)
         return consumers
 
-    def _fail(self, session: Session, req: RequestNode, err: StepFailed) -> None:
+    def _fail(self, session: SessionState, req: RequestNode, err: StepFailed) -> None:
         logger.info("session %s: %s", session.session_id, err.message)
         self._advance(session, self._fail_request(session, req, err))
 
-    def _start(self, session: Session, req: RequestNode) -> None:
+    def _start(self, session: SessionState, req: RequestNode) -> None:
         session.graph.set_status(req, RequestStatus.READY)
         # every input is materialized now: queue the full head's hashes, so requests that become ready together
         # (consumers of one generated document, §8.4) see each other as sharers
@@ -150,29 +153,28 @@ class GraphExecutor:
         task.add_done_callback(session.tasks.discard)
 
     # ---- execution ------------------------------------------------------------------------------------------
-    async def _execute(self, session: Session, req: RequestNode) -> None:
+    async def _execute(self, session: SessionState, req: RequestNode) -> None:
         key = _key(session, req)
+        graph = session.graph
+
+        async def run(lease: Lease, attempt: int) -> None:
+            await self._run(session, req, lease)
+            lease.release()  # after a failure the failover loop releases it, once the dispatcher knows
+
+        def on_lost(loss: Loss) -> None:
+            if loss.restarting:
+                graph.set_status(req, RequestStatus.READY)  # queued again until another engine takes it
+
         try:
-            enqueued_at: float | None = None
-            for attempt in range(1, self.max_attempts + 1):
-                lease = await self.dispatcher.acquire(self._dispatch_request(session, req), enqueued_at=enqueued_at)
-                enqueued_at = lease.enqueued_at  # a rescheduled request keeps its place in the queue
-                try:
-                    with lease:
-                        await run_unless_lost(lease, self._run(session, req, lease), f"request {req.request_id}")
-                    break
-                except EngineUnavailable as e:
-                    self.dispatcher.engine_failed(lease, e)
-                    if all(session.graph.variables[v].status is VarStatus.READY for v in req.outputs):
-                        break  # it lost the engine while freeing its context: nothing left to compute
-                    if attempt == self.max_attempts:
-                        raise
-                    self.num_rescheduled += 1
-                    logger.warning("session %s: request %s lost engine %s (%s); rescheduling (run %d of %d)",
-                                   session.session_id, req.request_id, lease.engine, e.message, attempt + 1,
-                                   self.max_attempts)
-                    session.graph.set_status(req, RequestStatus.READY)
-            session.graph.set_status(req, RequestStatus.FINISHED)
+            try:
+                await self.failover.run(self._dispatch_request(session, req), run,
+                                        what=f"request {req.request_id} of session {session.session_id}",
+                                        restartable=lambda: not self._outputs_done(session, req), on_lost=on_lost)
+            except EngineUnavailable:
+                if not self._outputs_done(session, req):
+                    raise
+                # it lost the engine while freeing its context: nothing was left to compute
+            graph.set_status(req, RequestStatus.FINISHED)
         except asyncio.CancelledError:
             raise  # the session is closing; close_session fails what is left and frees contexts
         except ParrotError as e:
@@ -187,7 +189,7 @@ class GraphExecutor:
             self._generated.pop(key, None)
             self._on_activity(session)
 
-    async def _run(self, session: Session, req: RequestNode, lease: Lease) -> None:
+    async def _run(self, session: SessionState, req: RequestNode, lease: Lease) -> None:
         graph, client, info = session.graph, lease.client, lease.info
         ctx = f"{req.request_id}-{secrets.token_hex(8)}"
         req.engine, req.context_id = lease.engine, ctx
@@ -237,7 +239,7 @@ class GraphExecutor:
             if fork is not None and self.sharing is not None:
                 self.sharing.release(fork)
 
-    async def _tokenize_head(self, session: Session, req: RequestNode, client: EngineClient,
+    async def _tokenize_head(self, session: SessionState, req: RequestNode, client: EngineClient,
                              info: ModelInfo) -> tuple[PromptHead, int, PrefixHasher]:
         """BOS + every piece before the first output, each piece tokenized on its own, with a boundary after
         each piece; the number of segments the head covers; the hasher positioned after them."""
@@ -277,7 +279,7 @@ class GraphExecutor:
             await client.fill(list(head.tokens), ctx)
         return None
 
-    async def _generate(self, session: Session, req: RequestNode, binding: PlaceholderBinding, lease: Lease,
+    async def _generate(self, session: SessionState, req: RequestNode, binding: PlaceholderBinding, lease: Lease,
                         ctx: str, *, lead: int = 0) -> tuple[str, int]:
         """Generate one output into ``ctx`` and materialize it; return (raw text, tokens generated).
 
@@ -297,28 +299,19 @@ class GraphExecutor:
         self._generated.setdefault(_key(session, req), {})[binding.var_id] = result.text
         return result.text, len(result.token_ids)
 
-    async def _free(self, session: Session, ctx: str) -> None:
+    async def _free(self, session: SessionState, ctx: str) -> None:
         engine = session.contexts.pop(ctx, None)
         if engine is None:
             return
         self.prefix_store.remove_context(engine, ctx)
-        try:
-            entry = self.dispatcher.registry.entry(engine)
-            if entry.state is EngineState.DEAD:  # a call could hang until the engine's timeout
-                self._orphans.add(engine, entry.client, ctx)
-                return
-            await entry.client.free_context(ctx)
-        except UnknownContext:
-            pass  # never created (cancelled before the first fill) or already gone
-        except ParrotError as e:
-            logger.warning("freeing context %s on engine %s failed: %s", ctx, engine, e)
+        await self._orphans.free(engine, ctx)  # kept for later if the engine is dead (a call could hang)
 
     def _register(self, boundaries: Iterable[Boundary], engine: str, ctx: str) -> None:
         for b in boundaries:
             self.prefix_store.add_context(b.prefix_hash, ContextRef(engine, ctx, b.num_tokens))
 
     # ---- helpers --------------------------------------------------------------------------------------------
-    def _known_boundaries(self, session: Session, req: RequestNode) -> list[str]:
+    def _known_boundaries(self, session: SessionState, req: RequestNode) -> list[str]:
         """Boundary hashes computable now (before each placeholder and after each piece): up to the first
         input that is not ready, or the first output."""
         hasher, out = PrefixHasher(), []
@@ -333,7 +326,11 @@ class GraphExecutor:
                 break
         return out
 
-    def _dispatch_request(self, session: Session, req: RequestNode) -> DispatchRequest:
+    @staticmethod
+    def _outputs_done(session: SessionState, req: RequestNode) -> bool:
+        return all(session.graph.variables[v].status is VarStatus.READY for v in req.outputs)
+
+    def _dispatch_request(self, session: SessionState, req: RequestNode) -> DispatchRequest:
         graph = session.graph
         chars = sum(len(s.text) for s in req.segments if isinstance(s, TextSegment))
         chars += sum(len(graph.variables[v].value or "") for v in req.inputs)
@@ -363,7 +360,7 @@ def _moved_spaces(segments, i: int) -> int:
     return 0
 
 
-def _piece(session: Session, req: RequestNode, i: int) -> str:
+def _piece(session: SessionState, req: RequestNode, i: int) -> str:
     """The text segment ``i`` of ``req`` or the value of its input placeholder, as filled into the context."""
     seg = req.segments[i]
     if isinstance(seg, TextSegment):
@@ -377,5 +374,5 @@ def _input_value(var: Variable, binding: PlaceholderBinding) -> str:
     return apply_transforms(list(binding.transforms), var.value) if binding.transforms else var.value
 
 
-def _key(session: Session, req: RequestNode) -> str:
+def _key(session: SessionState, req: RequestNode) -> str:
     return f"{session.session_id}/{req.request_id}"

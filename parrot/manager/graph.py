@@ -5,7 +5,9 @@ Nodes are variables and requests; edges are placeholders: a request *consumes* i
 
 * a variable has at most one producer, and a variable the client set (PUT) has none;
 * the graph is acyclic: a submit whose outputs are upstream of its inputs is rejected (CycleError);
-* a variable's status only moves PENDING -> READY or PENDING -> FAILED, once; its event is set then.
+* a variable's status only moves PENDING -> READY or PENDING -> FAILED, once; its event is set then;
+* statuses move only along VAR_TRANSITIONS and REQUEST_TRANSITIONS (below); any other change raises
+  IllegalTransition.
 
 Variables are numbered ``%1, %2, ...`` in creation order; :meth:`Graph.dump_text` prints one SSA-like line
 per free variable and per request::
@@ -29,10 +31,11 @@ from parrot.common.errors import (
     UnknownVariable,
     VariableAlreadySet,
 )
+from parrot.common.perf import PerfCriteria
 from parrot.common.sampling import SamplingParams
 from parrot.common.template import PlaceholderSegment, Segment
 from parrot.common.transforms import Transform
-from parrot.manager.perf import PerfAnnotation, PerfCriteria
+from parrot.manager.perf import PerfAnnotation
 
 
 class VarStatus(str, Enum):
@@ -47,6 +50,37 @@ class RequestStatus(str, Enum):
     RUNNING = "running"  # dispatched to an engine
     FINISHED = "finished"
     FAILED = "failed"
+
+
+# The legal status changes (the executor makes them; an illegal one is a bug and raises IllegalTransition):
+#
+#   WAITING --inputs ready--> READY --engine leased--> RUNNING --run done--> FINISHED
+#                               ^                         |
+#                               +------ engine lost ------+   (rescheduled: it runs again on another engine)
+#
+#   WAITING | READY | RUNNING --a failed input, a failed run, the session closed--> FAILED
+#   FINISHED and FAILED are final.
+REQUEST_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
+    RequestStatus.WAITING: frozenset({RequestStatus.READY, RequestStatus.FAILED}),
+    RequestStatus.READY: frozenset({RequestStatus.RUNNING, RequestStatus.FAILED}),
+    RequestStatus.RUNNING: frozenset({RequestStatus.READY, RequestStatus.FINISHED, RequestStatus.FAILED}),
+    RequestStatus.FINISHED: frozenset(),
+    RequestStatus.FAILED: frozenset(),
+}
+VAR_TRANSITIONS: dict[VarStatus, frozenset[VarStatus]] = {
+    VarStatus.PENDING: frozenset({VarStatus.READY, VarStatus.FAILED}),
+    VarStatus.READY: frozenset(),
+    VarStatus.FAILED: frozenset(),
+}
+
+
+class IllegalTransition(AssertionError):
+    """A status change the transition tables do not allow: an internal error (a bug in the caller)."""
+
+
+def _check_transition(table: dict, what: str, old: Enum, new: Enum) -> None:
+    if new not in table[old]:
+        raise IllegalTransition(f"{what}: {old.value} -> {new.value} is not a legal transition")
 
 
 @dataclass(frozen=True)
@@ -261,8 +295,8 @@ class Graph:
         var = self.variable(var_id)
         if var.status is not VarStatus.PENDING:
             raise VariableAlreadySet(f"variable {var_id!r} is already {var.status.value}", param="var_id")
-        var.value, var.status = value, VarStatus.READY
-        var._done.set()
+        var.value = value
+        self._set_var_status(var, VarStatus.READY)
         return var
 
     def fail_variable(self, var_id: str, error: StepFailed) -> bool:
@@ -270,9 +304,17 @@ class Graph:
         var = self.variable(var_id)
         if var.status is not VarStatus.PENDING:
             return False
-        var.error, var.status = error, VarStatus.FAILED
-        var._done.set()
+        var.error = error
+        self._set_var_status(var, VarStatus.FAILED)
         return True
+
+    @staticmethod
+    def _set_var_status(var: Variable, status: VarStatus) -> None:
+        """The one place a variable's status changes (VAR_TRANSITIONS); a done variable wakes its waiters."""
+        _check_transition(VAR_TRANSITIONS, f"variable {var.var_id}", var.status, status)
+        var.status = status
+        if var.done:
+            var._done.set()
 
     def input_state(self, req: RequestNode) -> tuple[bool, Variable | None]:
         """(all inputs ready, the first failed input or None)."""
@@ -285,6 +327,9 @@ class Graph:
         return ready, None
 
     def set_status(self, req: RequestNode, status: RequestStatus) -> None:
+        """Move ``req`` to ``status`` (stamping its times); raises IllegalTransition unless REQUEST_TRANSITIONS
+        allows the change."""
+        _check_transition(REQUEST_TRANSITIONS, f"request {req.request_id}", req.status, status)
         req.status = status
         if status is RequestStatus.RUNNING:
             req.times.dispatched = self._clock()

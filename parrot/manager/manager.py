@@ -1,7 +1,7 @@
 """The Parrot manager facade: sessions, variables, submit/get, DAG dumps, and its background tasks.
 
 One instance per server, created in the app lifespan (no module globals). The HTTP layer authenticates a
-session once (:meth:`Manager.session`) and passes the :class:`Session` to the other calls.
+session once (:meth:`Manager.session`) and passes the :class:`SessionState` to the other calls.
 """
 
 from __future__ import annotations
@@ -11,60 +11,59 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from parrot.common.errors import EngineUnavailable, InvalidRequestError, StepFailed
+from parrot.common.perf import PerfCriteria, PinnedTargets
 from parrot.manager.dispatcher import Dispatcher, Policy
 from parrot.manager.engine_registry import EngineRegistry
 from parrot.manager.executor import GraphExecutor
 from parrot.manager.graph import RequestNode, Variable, VarStatus
-from parrot.manager.perf import PerfCriteria
-from parrot.manager.perf_deduction import PerfDeduction, PerfTargets
+from parrot.manager.perf_deduction import PerfDeduction
 from parrot.manager.policies import POLICY_NAMES, CapacityConfig, make_policy
 from parrot.manager.prefix_sharing import PrefixSharing, PrefixStats, SharingConfig
 from parrot.manager.prefix_store import PrefixStore
-from parrot.manager.session import Session, SessionStore
+from parrot.manager.session import SessionState, SessionStore
 from parrot.manager.submit import SubmitSpec, build_bindings
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ManagerConfig:
-    session_ttl_s: float = 600.0
-    max_session_ttl_s: float = 86_400.0
-    max_sessions: int = 10_000
-    max_nodes_per_session: int = 10_000
-    cleanup_interval_s: float = 5.0
-    heartbeat_interval_s: float = 2.0  # 0 disables periodic engine status refresh
-    max_long_poll_s: float = 60.0
-    # prefix sharing (paper §5.3): fill a shared prompt prefix once into a prefix context and fork sharers
-    prefix_sharing: bool = True
-    prefix_min_tokens: int = 16  # shortest prefix worth a context (one KV block by default)
-    prefix_grace_s: float = 30.0  # an idle prefix context is freed this long after its last child finished
-    max_prefix_contexts_per_engine: int = 16
-    # global scheduling (paper §5.4) and failover
-    policy: str = "least-loaded"  # one of parrot.manager.policies.POLICY_NAMES (parrot = app-centric, Alg. 1)
-    latency_cap_tokens: int = 2048  # running tokens an engine may hold while latency-sensitive work runs on it
-    throughput_cap_tokens: int = 65536  # ... while only throughput work runs (also bounded by its KV capacity)
-    heartbeat_timeout_s: float = 10.0  # an engine without a successful heartbeat for this long is dead
-    max_attempts: int = 3  # runs of a request in all when its engine dies under it (restarts on another)
+class ManagerConfig(BaseModel):
+    """The manager's settings: defaults, constraints and descriptions, defined once. The HTTP
+    server's ``ServerSettings`` (in the API layer) extends this (env ``PARROT_<FIELD>``, CLI ``--<field>``).
+    Invalid values raise a ValidationError (a ValueError) naming the field; unknown keywords are rejected."""
 
-    def __post_init__(self) -> None:
-        for name in ("session_ttl_s", "max_session_ttl_s", "cleanup_interval_s", "max_long_poll_s",
-                     "heartbeat_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if self.policy not in POLICY_NAMES:
-            raise ValueError(f"policy must be one of {', '.join(POLICY_NAMES)}, got {self.policy!r}")
-        if self.max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts!r}")
-        self.capacity_config()  # validates the caps
-        for name in ("heartbeat_interval_s", "prefix_grace_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        for name in ("max_sessions", "max_nodes_per_session", "prefix_min_tokens", "max_prefix_contexts_per_engine"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    session_ttl_s: float = Field(600.0, gt=0, description="default idle time before a session expires")
+    max_session_ttl_s: float = Field(86_400.0, gt=0, description="longest idle time a session may ask for")
+    session_cleanup_interval_s: float = Field(5.0, gt=0, description="how often expired sessions are closed")
+    max_sessions: int = Field(10_000, ge=1, description="open sessions at most")
+    max_nodes_per_session: int = Field(10_000, ge=1, description="variables + requests per session")
+    max_long_poll_s: float = Field(60.0, gt=0, description="longest wait of one GET of a variable")
+    engine_heartbeat_s: float = Field(2.0, ge=0, description="engine status refresh period (0 = off)")
+    # prefix sharing (paper §5.3): fill a shared prompt prefix once into a prefix context and fork sharers
+    prefix_sharing: bool = Field(True, description="fill prompt prefixes shared by requests once, fork the rest")
+    prefix_min_tokens: int = Field(16, ge=1, description="shortest prefix worth a shared prefix context")
+    prefix_grace_s: float = Field(30.0, ge=0, description="idle time before an unused prefix context is freed")
+    max_prefix_contexts_per_engine: int = Field(16, ge=1, description="LRU bound on prefix contexts per engine")
+    # global scheduling (paper §5.4) and failover
+    policy: Literal[POLICY_NAMES] = Field(  # type: ignore[valid-type]  # the names of the policy table
+        "least-loaded", description="global scheduler: parrot (app-centric, paper Alg. 1), fifo-latency / "
+        "fifo-throughput (request-centric baselines), least-loaded (no caps, no queueing: the default)")
+    latency_cap_tokens: int = Field(2048, ge=1, description="running tokens per engine while latency work runs there")
+    throughput_cap_tokens: int = Field(65536, ge=1, description="running tokens per engine for throughput work "
+                                       "(also bounded by its KV capacity)")
+    heartbeat_timeout_s: float = Field(10.0, gt=0, description="an engine silent this long is declared dead")
+    max_attempts: int = Field(3, ge=1, description="runs of a request in all when its engine dies under it")
+
+    @model_validator(mode="after")
+    def _check_caps(self) -> "ManagerConfig":
+        self.capacity_config()  # ValueError if latency_cap_tokens > throughput_cap_tokens
+        return self
 
     def capacity_config(self) -> CapacityConfig:
         return CapacityConfig(latency_cap_tokens=self.latency_cap_tokens,
@@ -122,9 +121,9 @@ class Manager:
         """Probe the engines and start the cleanup (and heartbeat) tasks."""
         await self.registry.refresh()
         self._background.append(asyncio.create_task(self._cleanup_loop(), name="parrot-session-cleanup"))
-        if self.config.heartbeat_interval_s > 0:
+        if self.config.engine_heartbeat_s > 0:
             self._background.append(asyncio.create_task(
-                self.registry.heartbeat_loop(self.config.heartbeat_interval_s, self.config.heartbeat_timeout_s),
+                self.registry.heartbeat_loop(self.config.engine_heartbeat_s, self.config.heartbeat_timeout_s),
                 name="parrot-heartbeat"))
 
     async def stop(self) -> None:
@@ -139,13 +138,13 @@ class Manager:
         await self.sharing.close()
         await self.dispatcher.close()
 
-    async def _close(self, session: Session) -> None:
+    async def _close(self, session: SessionState) -> None:
         await self.executor.close_session(session)
         self.deduction.forget(session.session_id)
 
     async def _cleanup_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.config.cleanup_interval_s)
+            await asyncio.sleep(self.config.session_cleanup_interval_s)
             try:
                 await self.expire_sessions()
                 await self.sharing.collect()
@@ -161,26 +160,26 @@ class Manager:
         return len(expired)
 
     # ---- sessions -------------------------------------------------------------------------------------------
-    def create_session(self, ttl_s: float | None = None) -> Session:
+    def create_session(self, ttl_s: float | None = None) -> SessionState:
         return self.sessions.create(ttl_s)
 
-    def session(self, session_id: str, token: str | None) -> Session:
+    def session(self, session_id: str, token: str | None) -> SessionState:
         """Authenticate; raises UnknownSession (404) or InvalidSessionToken (401)."""
         return self.sessions.authenticate(session_id, token)
 
-    async def delete_session(self, session: Session) -> None:
+    async def delete_session(self, session: SessionState) -> None:
         self.sessions.pop(session.session_id)
         await self._close(session)
 
     # ---- variables ------------------------------------------------------------------------------------------
-    def create_variable(self, session: Session, name: str | None = None, value: str | None = None) -> Variable:
+    def create_variable(self, session: SessionState, name: str | None = None, value: str | None = None) -> Variable:
         return session.graph.add_variable(name, value)
 
-    def set_variable(self, session: Session, var_id: str, value: str) -> Variable:
+    def set_variable(self, session: SessionState, var_id: str, value: str) -> Variable:
         return self.executor.set_value(session, var_id, value)
 
-    async def get_variable(self, session: Session, var_id: str, *, criteria: str | PerfCriteria | None = None,
-                           timeout_s: float = 0.0, targets: PerfTargets | None = None) -> VariableView:
+    async def get_variable(self, session: SessionState, var_id: str, *, criteria: str | PerfCriteria | None = None,
+                           timeout_s: float = 0.0, targets: PinnedTargets | None = None) -> VariableView:
         """The variable's value, waiting up to ``timeout_s`` (capped) for it. Records ``criteria`` first
         (GetPerfObj), even if the value stays pending, and re-deduces the request labels (§5.2); latency
         ``targets`` (TTFT / TPOT / deadline) imply the LATENCY criterion. Raises the StepFailed of a failed
@@ -208,7 +207,7 @@ class Manager:
         return VariableView(var.var_id, var.name, var.status, var.value)
 
     # ---- requests -------------------------------------------------------------------------------------------
-    def submit(self, session: Session, spec: SubmitSpec) -> RequestNode:
+    def submit(self, session: SessionState, spec: SubmitSpec) -> RequestNode:
         """Validate and insert a request; it starts as soon as its inputs are materialized."""
         segments, bindings = build_bindings(spec)
         if spec.models:
@@ -233,7 +232,7 @@ class Manager:
                 "scheduler": self.dispatcher.stats(),
                 "failover": {"rescheduled": self.executor.num_rescheduled, "engine_deaths": self.registry.num_deaths}}
 
-    def dag(self, session: Session) -> DagDump:
+    def dag(self, session: SessionState) -> DagDump:
         """The session's DAG; requests carry their deduced ``sched`` labels, and the text ends with one
         ``# r_3: latency, group g0`` line per labeled request."""
         graph = session.graph

@@ -13,9 +13,10 @@ that GETs record on variables (GetPerfObj), found by walking the DAG backwards (
 values); requests of equal depth can never depend on each other, which is what "parallel" means here.
 
 Targets (the paper's named extension): a LATENCY fetch may carry a time-to-first-token, a time-per-output-token
-and a deadline (:class:`PerfTargets`). The producers of the fetched variable inherit all three; immediate
-predecessors inherit only the deadline (the first token and the token pace of ``v`` are not theirs). The
-global scheduler orders by the earliest deadline and turns a TPOT target into a tighter engine token cap.
+and a deadline (:class:`~parrot.common.perf.PinnedTargets`, the deadline absolute on the manager's clock). The
+producers of the fetched variable inherit all three; immediate predecessors inherit only the deadline (the
+first token and the token pace of ``v`` are not theirs). The global scheduler orders by the earliest deadline
+and turns a TPOT target into a tighter engine token cap.
 
 :class:`PerfDeduction` keeps, per session, the recorded targets, request depths and the current labels. It
 re-deduces when a GET changes an annotation (even while the fetched value is pending) and when a request is
@@ -24,48 +25,14 @@ submitted whose outputs feed something annotated or labeled, so late submits are
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from parrot.common.errors import InvalidRequestError
+from parrot.common.perf import PerfCriteria, PinnedTargets
 from parrot.manager.graph import Graph, RequestNode
-from parrot.manager.perf import PerfCriteria
 
-
-@dataclass(frozen=True)
-class PerfTargets:
-    """Optional latency targets of a fetch. ``deadline`` is absolute, on the deduction's clock (the manager's:
-    ``time.time`` in a server)."""
-
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-    deadline: float | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("ttft_s", "tpot_s"):
-            value = getattr(self, name)
-            if value is not None and not (value > 0 and math.isfinite(value)):
-                raise InvalidRequestError(f"{name} must be a positive number of seconds, got {value!r}", param=name)
-
-    @property
-    def empty(self) -> bool:
-        return self.ttft_s is None and self.tpot_s is None and self.deadline is None
-
-    def tightest(self, other: "PerfTargets") -> "PerfTargets":
-        """Field-wise the stricter of the two (None = no target)."""
-        def pick(a: float | None, b: float | None) -> float | None:
-            return b if a is None else a if b is None else min(a, b)
-
-        return PerfTargets(pick(self.ttft_s, other.ttft_s), pick(self.tpot_s, other.tpot_s),
-                           pick(self.deadline, other.deadline))
-
-    def deadline_only(self) -> "PerfTargets":
-        return PerfTargets(deadline=self.deadline)
-
-
-NO_TARGETS = PerfTargets()
+NO_TARGETS = PinnedTargets()
 
 
 @dataclass(frozen=True)
@@ -74,7 +41,7 @@ class RequestLabel:
 
     criteria: PerfCriteria
     task_group: str | None = None  # "g0", "g1", ... unique within the session
-    targets: PerfTargets = NO_TARGETS
+    targets: PinnedTargets = NO_TARGETS
 
 
 @dataclass(frozen=True)
@@ -94,7 +61,7 @@ class SchedInfo:
         return self.label.task_group if self.label is not None else None
 
     @property
-    def targets(self) -> PerfTargets:
+    def targets(self) -> PinnedTargets:
         return self.label.targets if self.label is not None else NO_TARGETS
 
 
@@ -119,7 +86,7 @@ def request_depths(graph: Graph) -> dict[str, int]:
     return depth
 
 
-def deduce(graph: Graph, targets: Mapping[str, PerfTargets] | None = None,
+def deduce(graph: Graph, targets: Mapping[str, PinnedTargets] | None = None,
            depths: Mapping[str, int] | None = None) -> dict[str, RequestLabel]:
     """Labels of every request that some annotated variable depends on (see the module docstring).
 
@@ -128,7 +95,7 @@ def deduce(graph: Graph, targets: Mapping[str, PerfTargets] | None = None,
     targets = targets or {}
     depth = dict(depths) if depths is not None else request_depths(graph)
     criteria: dict[str, PerfCriteria] = {}
-    goals: dict[str, PerfTargets] = {}
+    goals: dict[str, PinnedTargets] = {}
 
     # THROUGHPUT: every producer, transitively
     stack = [v.producer for v in graph.variables.values()
@@ -193,7 +160,7 @@ def _split_by_depth(members: list[str], depth: Mapping[str, int]) -> list[list[s
 @dataclass
 class _App:
     app_order: float
-    targets: dict[str, PerfTargets] = field(default_factory=dict)
+    targets: dict[str, PinnedTargets] = field(default_factory=dict)
     depth: dict[str, int] = field(default_factory=dict)
     labels: dict[str, RequestLabel] = field(default_factory=dict)
     annotated: bool = False  # some variable of the session carries a criterion
@@ -217,7 +184,7 @@ class PerfDeduction:
         return app
 
     def annotate(self, graph: Graph, var_id: str, criteria: PerfCriteria,
-                 targets: PerfTargets | None = None) -> bool:
+                 targets: PinnedTargets | None = None) -> bool:
         """A GET with a criterion (GetPerfObj): record it on the variable, re-deduce if anything changed.
         Returns True if the session's labels changed (the scheduler should look at its queue again)."""
         var = graph.variable(var_id)

@@ -18,7 +18,10 @@ from parrot.manager.graph import Graph
 
 
 @dataclass(eq=False)
-class Session:
+class SessionState:
+    """The server side of one application session (the client's handle is :class:`parrot.frontend.client.Session`):
+    its DAG, secret token, running request tasks and live engine contexts."""
+
     session_id: str
     token: str
     ttl_s: float
@@ -48,9 +51,9 @@ class SessionStore:
         self.max_sessions = max_sessions
         self.max_nodes_per_session = max_nodes_per_session
         self.clock = clock
-        self._sessions: dict[str, Session] = {}
+        self._sessions: dict[str, SessionState] = {}
 
-    def create(self, ttl_s: float | None = None) -> Session:
+    def create(self, ttl_s: float | None = None) -> SessionState:
         ttl = self.default_ttl_s if ttl_s is None else float(ttl_s)
         if not 0 < ttl <= self.max_ttl_s:
             raise InvalidRequestError(f"ttl_s must be in (0, {self.max_ttl_s}], got {ttl_s}", param="ttl_s")
@@ -58,13 +61,13 @@ class SessionStore:
             raise InvalidRequestError(f"too many open sessions (limit {self.max_sessions}); delete unused ones")
         sid = "s_" + secrets.token_urlsafe(18)
         now = self.clock()
-        session = Session(session_id=sid, token=secrets.token_urlsafe(32), ttl_s=ttl,
+        session = SessionState(session_id=sid, token=secrets.token_urlsafe(32), ttl_s=ttl,
                           graph=Graph(sid, max_nodes=self.max_nodes_per_session, clock=self.clock), last_access=now,
                           created_at=now)
         self._sessions[sid] = session
         return session
 
-    def authenticate(self, session_id: str, token: str | None) -> Session:
+    def authenticate(self, session_id: str, token: str | None) -> SessionState:
         """The session if ``token`` matches (constant-time compare); touches it.
 
         Raises UnknownSession (404) for an unknown or expired id, InvalidSessionToken (401) for a bad token.
@@ -78,20 +81,20 @@ class SessionStore:
         self.touch(session)
         return session
 
-    def touch(self, session: Session) -> None:
+    def touch(self, session: SessionState) -> None:
         session.last_access = self.clock()
 
-    def pop(self, session_id: str) -> Session | None:
+    def pop(self, session_id: str) -> SessionState | None:
         return self._sessions.pop(session_id, None)
 
-    def pop_expired(self) -> list[Session]:
+    def pop_expired(self) -> list[SessionState]:
         now = self.clock()
         expired = [s for s in self._sessions.values() if s.expired(now)]
         for s in expired:
             del self._sessions[s.session_id]
         return expired
 
-    def all(self) -> list[Session]:
+    def all(self) -> list[SessionState]:
         return list(self._sessions.values())
 
     def __len__(self) -> int:

@@ -1,8 +1,9 @@
 """Validation of a submit (paper §7): template, placeholders, per-output sampling and transforms.
 
 Turns the wire-level :class:`SubmitSpec` into template segments and :class:`PlaceholderBinding` s, raising
-400-class errors that name the problem. The default stop of an output (see :func:`default_stop`) is decided
-here, once, so the executor only runs what the binding says.
+400-class errors that name the problem. The default stop of an output
+(:func:`~parrot.common.template.default_stop`, the frontend's rule too) is decided here, once, so the executor
+only runs what the binding says.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 from parrot.common.errors import InvalidRequestError, TemplateError
 from parrot.common.sampling import SamplingParams
-from parrot.common.template import PlaceholderSegment, Segment, parse_template, text_after
+from parrot.common.template import PlaceholderSegment, Segment, default_stop, parse_template
 from parrot.common.transforms import validate_transforms
 from parrot.manager.graph import PlaceholderBinding
 
@@ -34,21 +35,6 @@ class SubmitSpec:
     placeholders: Sequence[PlaceholderSpec]
     models: Sequence[str] = ()
     name: str | None = None  # the semantic function's name, for DAG dumps
-
-
-def default_stop(following_text: str | None) -> tuple[str, ...]:
-    """Where an output ends when its sampling names no stop: where the template's following text begins.
-
-    The stop is that text up to its first newline (trailing spaces dropped), or ``"\\n"`` if it starts with
-    a newline (or its first line is blank); no stop if only another placeholder or the end follows. This is
-    the frontend's rule too (parrot.frontend.function.default_stop), so applying it twice changes nothing.
-    """
-    if not following_text:
-        return ()
-    head = following_text.split("\n", 1)[0].rstrip()
-    if head.strip():
-        return (head,)
-    return ("\n",) if "\n" in following_text else ()
 
 
 def build_bindings(spec: SubmitSpec) -> tuple[list[Segment], list[PlaceholderBinding]]:
@@ -86,7 +72,7 @@ def build_bindings(spec: SubmitSpec) -> tuple[list[Segment], list[PlaceholderBin
             continue
         sampling = SamplingParams.from_dict(dict(p.sampling or {}))
         if "stop" not in (p.sampling or {}):  # an explicit stop (even an empty list) is the caller's choice
-            stop = default_stop(text_after(segments, name))
+            stop = default_stop(segments, name)
             if stop:
                 sampling = sampling.replace(stop=stop)
         bindings.append(PlaceholderBinding(name, True, p.var_id, sampling, transforms))

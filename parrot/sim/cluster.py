@@ -2,7 +2,7 @@
 real request-centric completion path over N simulated engines, all on the virtual loop.
 
 Apps are driven through the Manager API exactly as the HTTP routes do (create_session, create_variable,
-submit(SubmitSpec), get_variable); baseline calls go through :class:`parrot.api.completions.CompletionService`
+submit(SubmitSpec), get_variable); baseline calls go through :class:`parrot.manager.completions.CompletionService`
 (what ``POST /v1/completions`` runs). The emulated Internet round trip of the paper (§8.1, 200-300 ms per
 call) is ``asyncio.sleep`` on the virtual clock: half before the request reaches the service, half after the
 answer leaves it, one per baseline call and one per Parrot app (as in :mod:`parrot.bench.apps`).
@@ -19,16 +19,15 @@ import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from parrot.api.completions import CompletionService
-from parrot.api.schemas import CompletionRequest
 from parrot.bench.apps import OUT, App, Const, FromStep
 from parrot.common.template import parse_template, render_template
 from parrot.engine.local_client import LocalEngineClient
+from parrot.manager.completions import ChoiceSpec, CompletionService, CompletionSpec
 from parrot.manager.dispatcher import Policy
 from parrot.manager.engine_registry import EngineRegistry
 from parrot.manager.graph import VarStatus
 from parrot.manager.manager import Manager, ManagerConfig
-from parrot.manager.session import Session
+from parrot.manager.session import SessionState
 from parrot.manager.submit import PlaceholderSpec, SubmitSpec
 from parrot.sim.cost_model import CostModel, load_model
 from parrot.sim.engine import SimEngine
@@ -80,7 +79,7 @@ class SimCluster:
                                   shared_prefix_attention=shared_prefix_attention) for i in range(config.engines)]
         mconf = ManagerConfig(policy=config.policy, latency_cap_tokens=config.latency_cap_tokens,
                               throughput_cap_tokens=config.throughput_cap_tokens or self.cost.kv_cache_tokens,
-                              prefix_sharing=config.prefix_sharing, heartbeat_interval_s=5.0,
+                              prefix_sharing=config.prefix_sharing, engine_heartbeat_s=5.0,
                               max_sessions=1_000_000, session_ttl_s=86_400.0, max_long_poll_s=GET_POLL_S)
         # the manager reaches each engine through the builtin engine's in-process client
         self.registry = EngineRegistry([LocalEngineClient(e, owns_engine=False) for e in self.engines],
@@ -113,7 +112,7 @@ class SimCluster:
 
     # ---- Parrot driver ----------------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
-    async def _client_session(self, rtt: bool) -> AsyncIterator[Session]:
+    async def _client_session(self, rtt: bool) -> AsyncIterator[SessionState]:
         """One client program's session: half a round trip to reach the service, the session (deleted at the
         end), the other half back."""
         trip = self.sample_rtt() if rtt else 0.0
@@ -166,7 +165,7 @@ class SimCluster:
             text = await self.wait_value(session, req.outputs[0])
         return CallResult(self.clock() - t0, max_tokens, text)
 
-    async def wait_value(self, session: Session, var_id: str) -> str:
+    async def wait_value(self, session: SessionState, var_id: str) -> str:
         while True:
             view = await self.manager.get_variable(session, var_id, timeout_s=GET_POLL_S)
             if view.status is VarStatus.READY:
@@ -180,11 +179,11 @@ class SimCluster:
         t0 = self.clock()
         trip = self.sample_rtt() if rtt else 0.0
         await asyncio.sleep(trip / 2)
-        plan = await self.completions.plan_completion(CompletionRequest(
-            model=self.model_name, prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos))
-        body = await self.completions.complete(plan)
+        plan = await self.completions.plan_completion(CompletionSpec(self.model_name, [prompt], ChoiceSpec(
+            max_tokens=max_tokens, sampling={"temperature": 0.0, "ignore_eos": ignore_eos})))
+        result = await self.completions.complete(plan)
         await asyncio.sleep(trip / 2)
-        return CallResult(self.clock() - t0, body["usage"]["completion_tokens"], body["choices"][0]["text"])
+        return CallResult(self.clock() - t0, result.usage.completion_tokens, result.choices[0].text)
 
     async def run_baseline_app(self, app: App) -> float:
         """Render and call step by step; a step starts once its inputs are back on the client (map steps run

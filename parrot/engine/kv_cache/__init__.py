@@ -1,1 +1,1 @@
-"""KV-cache accounting (no torch): the block pool and per-context block tables."""
+"""KV-cache accounting (no torch): the block pool and the KV manager, the one writer of per-context block tables."""

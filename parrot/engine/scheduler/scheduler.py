@@ -12,6 +12,9 @@ contexts plus its own stay within the cap. KV blocks are allocated for exactly t
 short it first evicts the KV of idle contexts (least recently used), then preempts the most recently
 arrived running op (its context's KV is dropped and recomputed later: "recompute" preemption). A waiting op
 never preempts a running one. The pool is never over-committed and KV is never shared while writable.
+
+The scheduler chooses *whose* KV to allocate, match, evict or drop; its :class:`KVManager` does it (the one writer
+of block tables and computed prefixes) and hands back frozen records. The engine core shares that manager.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parrot.engine.context import Context, Op, OpStatus
-from parrot.engine.kv_cache.block_pool import BlockPool, OutOfBlocks
+from parrot.engine.kv_cache.block_pool import BlockPool
+from parrot.engine.kv_cache.manager import KVManager
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,7 @@ class TooLargeForPool(Exception):
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_batch_tokens: int) -> None:
-        self.pool = pool
+        self.kv = KVManager(pool)
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
         self.waiting: list[Op] = []  # kept sorted by (arrival, seq_no)
@@ -63,7 +67,7 @@ class Scheduler:
 
     # ---- queue management (called by the engine loop) -----------------------------------------------------
     def add(self, op: Op) -> None:
-        op.status = OpStatus.WAITING
+        op.set_status(OpStatus.WAITING)
         self.idle_contexts.pop(op.ctx.id, None)
         self.waiting.append(op)
         self.waiting.sort(key=lambda o: o.sort_key)
@@ -86,78 +90,26 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
-    # ---- KV accounting -------------------------------------------------------------------------------------
-    @staticmethod
-    def drop_kv(pool: BlockPool, ctx: Context) -> None:
-        pool.release(ctx.block_table)
-        ctx.block_table = []
-        ctx.num_computed = 0
-        ctx.num_registered = 0
-
-    def uncompute_tail(self, ctx: Context) -> None:
-        """Make the last token of a fully computed context uncomputed again (it must be re-run for logits).
-
-        If its block is shared, the context gives the block up (recomputing up to ``block_size`` tokens into a
-        fresh block) instead of writing into KV that another context reads.
-        """
-        bs = self.pool.block_size
-        last = ctx.block_table[-1]
-        if self.pool.refcount(last) == 1 and not self.pool.is_registered(last):
-            ctx.num_computed -= 1
-        else:
-            self.pool.release([last])
-            ctx.block_table.pop()
-            ctx.num_computed = len(ctx.block_table) * bs
-            ctx.num_registered = min(ctx.num_registered, len(ctx.block_table))
-
-    def match_prefix(self, op: Op) -> None:
-        """Attach cached KV blocks for the longest cached run of the context's next full token blocks.
-
-        Only at a block boundary (no partial block in the table), so matched blocks extend the table directly."""
-        ctx = op.ctx
-        bs = self.pool.block_size
-        have = len(ctx.block_table)
-        if ctx.num_computed != have * bs or len(ctx.tokens) // bs <= have:
-            return
-        hashes = ctx.block_hashes(len(ctx.tokens) // bs, bs)[have:]
-        blocks = self.pool.match(hashes)
-        if blocks:
-            ctx.block_table.extend(blocks)
-            ctx.num_computed += len(blocks) * bs
-            ctx.num_registered = len(ctx.block_table)
-            op.num_cached += len(blocks) * bs
-
-    def _grow(self, ctx: Context, upto: int) -> bool:
-        """Ensure blocks for tokens [0, upto). True on success; False (nothing changed) if the pool is short."""
-        need = self.pool.blocks_for(upto) - len(ctx.block_table)
-        if need <= 0:
-            return True
-        try:
-            ctx.block_table.extend(self.pool.allocate(need))
-            return True
-        except OutOfBlocks:
-            return False
-
     def _evict(self, need_blocks: int, keep: Context) -> None:
         """Free blocks without touching running ops: drop the KV of idle contexts (least recently used first),
         then of contexts whose op is still waiting (youngest first; they recompute when admitted)."""
         for ctx in sorted(self.idle_contexts.values(), key=lambda c: c.last_used):
-            if self.pool.num_free >= need_blocks:
+            if self.kv.pool.num_free >= need_blocks:
                 return
-            self.drop_kv(self.pool, ctx)
+            self.kv.free(ctx)
             del self.idle_contexts[ctx.id]
         for op in reversed(self.waiting):
-            if self.pool.num_free >= need_blocks:
+            if self.kv.pool.num_free >= need_blocks:
                 return
             if op.ctx is not keep and op.ctx.block_table:
-                self.drop_kv(self.pool, op.ctx)
+                self.kv.free(op.ctx)
 
     def _preempt(self, victim: Op) -> None:
         self.running.remove(victim)
-        self.drop_kv(self.pool, victim.ctx)
+        self.kv.free(victim.ctx)
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        victim.status = OpStatus.WAITING
+        victim.set_status(OpStatus.WAITING)
         self.waiting.append(victim)
         self.waiting.sort(key=lambda o: o.sort_key)
 
@@ -186,14 +138,14 @@ class Scheduler:
                 break
             if self.token_cap is not None and self.running and running_tokens + len(op.ctx.tokens) > self.token_cap:
                 break  # FCFS under the placement's cap: the head waits for running ops to finish
-            needed = self.pool.blocks_for(len(op.ctx.tokens) + 1)
-            if needed > self.pool.capacity:
-                raise TooLargeForPool(op, needed, self.pool.capacity)
+            needed = self.kv.pool.blocks_for(len(op.ctx.tokens) + 1)
+            if needed > self.kv.pool.capacity:
+                raise TooLargeForPool(op, needed, self.kv.pool.capacity)
             chunk = self._plan_op(op, budget, may_preempt=False, preempted=preempted)
             if chunk is None:
                 break  # FCFS: the head waits for memory
             self.waiting.pop(0)
-            op.status = OpStatus.RUNNING
+            op.set_status(OpStatus.RUNNING)
             self.running.append(op)
             running_tokens += len(op.ctx.tokens)
             chunks.append(chunk)
@@ -204,21 +156,23 @@ class Scheduler:
 
     def _plan_op(self, op: Op, budget: int, *, may_preempt: bool, preempted: list[Op]) -> Chunk | None:
         ctx = op.ctx
-        self.match_prefix(op)
+        hit = self.kv.match_prefix(ctx)  # cached KV for the context's next full blocks, if any
+        if hit.block_ids:
+            op.num_cached += len(hit.block_ids) * self.kv.block_size
         if op.is_generate and ctx.num_uncomputed == 0:
             if ctx.last_hidden is not None:
                 return Chunk(op, ctx.num_computed, 0, sample=True)  # sample from the stored hidden state
-            self.uncompute_tail(ctx)
+            self.kv.uncompute_tail(ctx)
         remaining = ctx.num_uncomputed
         if remaining == 0:  # a FILL served entirely by the prefix cache: admit it; it completes this step
             return Chunk(op, ctx.num_computed, 0, sample=False)
         n = min(remaining, budget)
         if n <= 0:
             return None
-        while not self._grow(ctx, ctx.num_computed + n):
-            need = self.pool.blocks_for(ctx.num_computed + n) - len(ctx.block_table)
+        while self.kv.allocate_slots(ctx, ctx.num_computed + n) is None:
+            need = self.kv.blocks_missing(ctx, ctx.num_computed + n)
             self._evict(need, keep=ctx)
-            if self.pool.num_free >= need:
+            if self.kv.pool.num_free >= need:
                 continue
             if not may_preempt:
                 return None

@@ -53,8 +53,8 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 
+from parrot.common.perf import PerfCriteria
 from parrot.common.step_cost import StepCost
-from parrot.manager.perf import PerfCriteria
 from parrot.manager.perf_deduction import SchedInfo
 from parrot.manager.policies.base import (
     CapacityConfig,

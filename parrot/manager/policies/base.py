@@ -35,9 +35,9 @@ import enum
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from parrot.common.perf import PerfCriteria
 from parrot.common.step_cost import StepCost
 from parrot.engine.interface import EngineStatus
-from parrot.manager.perf import PerfCriteria
 from parrot.manager.perf_deduction import SchedInfo
 
 

@@ -1,5 +1,8 @@
 """Chat prompt rendering with the model's own (HF-style) jinja2 chat template, sandboxed.
 
+Messages arrive as plain dicts (``role``, ``content`` text, optional ``name``): the API layer flattens its
+request models into them, so the manager never sees an HTTP schema.
+
 Templates come from model files, i.e. from outside; they run in jinja2's ImmutableSandboxedEnvironment
 (no attribute access to internals, no mutation of inputs) with the helpers HF templates expect:
 ``raise_exception(msg)`` and ``strftime_now(fmt)``. Compiled templates are cached per template string in
@@ -9,33 +12,18 @@ the renderer instance (one per app, no module-global state).
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from parrot.common.errors import InvalidRequestError
-from parrot.api.schemas import ChatMessage
 
 MAX_CACHED_TEMPLATES = 16
 
 
 class ChatTemplateError(InvalidRequestError):
     code = "bad_chat_template"
-
-
-def message_dicts(messages: Sequence[ChatMessage]) -> list[dict]:
-    """Messages as the plain dicts templates expect; a list of text parts is joined with newlines."""
-    out = []
-    for m in messages:
-        content = m.content
-        if isinstance(content, list):
-            content = "\n".join(part.text for part in content)
-        d = {"role": m.role, "content": content if content is not None else ""}
-        if m.name is not None:
-            d["name"] = m.name
-        out.append(d)
-    return out
 
 
 class ChatRenderer:
@@ -58,14 +46,14 @@ class ChatRenderer:
             self._cache[template] = compiled
         return compiled
 
-    def render(self, template: str | None, messages: Sequence[ChatMessage], *, bos_token: str = "",
+    def render(self, template: str | None, messages: Sequence[Mapping[str, str]], *, bos_token: str = "",
                eos_token: str = "", add_generation_prompt: bool = True) -> str:
         """The prompt text for ``messages``. Raises ChatTemplateError (400) if the model has no template or
         the template rejects the conversation (e.g. roles out of order)."""
         if not template:
             raise ChatTemplateError("this model has no chat template; use /v1/completions", param="messages")
         try:
-            return self._compile(template).render(messages=message_dicts(messages), bos_token=bos_token,
+            return self._compile(template).render(messages=[dict(m) for m in messages], bos_token=bos_token,
                                                   eos_token=eos_token, add_generation_prompt=add_generation_prompt)
         except ChatTemplateError:
             raise

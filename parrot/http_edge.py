@@ -1,0 +1,155 @@
+"""The HTTP edge shared by the API server and the engine server: typed errors out, server-sent events out.
+
+Errors (:func:`install_error_handlers`) -- every failure leaves as an OpenAI-style body with its status:
+
+* :class:`ParrotError` -> its ``status_code`` and ``to_body()`` (one handler for the whole hierarchy);
+* request validation errors -> 400 ``invalid_request`` naming the offending field in ``param``;
+* Starlette HTTP errors (unknown route, wrong method) -> their status, OpenAI-shaped;
+* anything else -> 500 ``internal_error``, logged with its traceback (a bug).
+
+Streams (:class:`EventStreamResponse`) -- one ``data: {json}\\n\\n`` event per payload, then ``data: [DONE]``::
+
+    data: {...}\\n\\n  data: {...}\\n\\n  ...  [data: {"error": {...}}\\n\\n]  data: [DONE]\\n\\n
+
+Events are ASCII-only JSON (non-ASCII escaped), so no line splitter (httpx's splits on U+2028 and friends)
+can cut one in two. The response watches ``receive()`` for ``http.disconnect`` while it streams: a client
+that goes away cancels the stream at once (not at the next write), and the payload iterator is closed, which
+lets its owner free what it holds (engine contexts, an engine stream; the close is shielded from the
+cancellation). An error raised mid-stream becomes one error event (the status line is already sent),
+followed by ``[DONE]``.
+
+This module imports only Starlette/FastAPI and :mod:`parrot.common`, so an engine process does not load the
+API app or the manager.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from parrot.common.errors import ParrotError
+
+logger = logging.getLogger(__name__)
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
+
+
+# ---- error bodies and handlers --------------------------------------------------------------------------------
+def error_body(message: str, *, error_type: str, code: str, param: str | None = None) -> dict:
+    """The OpenAI error shape; the same one :meth:`ParrotError.to_body` produces."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def internal_error_body(exc: BaseException) -> dict:
+    """The body for a bug: names the exception type only (its text may hold internals)."""
+    return error_body(f"internal server error ({type(exc).__name__})", error_type="server_error",
+                      code="internal_error")
+
+
+async def parrot_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ParrotError)
+    if exc.status_code >= 500:
+        logger.warning("%s %s -> %d %s: %s", request.method, request.url.path, exc.status_code, exc.code,
+                       exc.message)
+    return JSONResponse(exc.to_body(), status_code=exc.status_code)
+
+
+def _loc_name(loc: tuple) -> str:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    return ".".join(parts) or ".".join(str(p) for p in loc)
+
+
+async def validation_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    details = "; ".join(f"{_loc_name(tuple(e.get('loc', ())))}: {e.get('msg', 'invalid')}" for e in errors[:5])
+    param = _loc_name(tuple(errors[0].get("loc", ()))) if errors else None
+    body = error_body(f"invalid request: {details}", error_type="invalid_request_error", code="invalid_request",
+                      param=param)
+    return JSONResponse(body, status_code=400)
+
+
+async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    code = _HTTP_CODES.get(exc.status_code, "http_error")
+    error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return JSONResponse(error_body(str(exc.detail), error_type=error_type, code=code),
+                        status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
+async def unexpected_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    logger.error("%s %s crashed", request.method, request.url.path, exc_info=exc)
+    return JSONResponse(internal_error_body(exc), status_code=500)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(ParrotError, parrot_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    app.add_exception_handler(Exception, unexpected_error_handler)
+
+
+# ---- server-sent events ---------------------------------------------------------------------------------------
+DONE = b"data: [DONE]\n\n"
+
+
+def encode_event(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    """An SSE stream of ``events`` (JSON-able dicts) that stops at once when the client disconnects.
+
+    ``events`` is always closed (``aclose``) when the response ends, however it ends; ``disconnected`` tells
+    afterwards whether the client went away first."""
+
+    def __init__(self, events: AsyncIterator[dict]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._events = events
+        self.disconnected = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async with anyio.create_task_group() as tg:
+
+            async def watch_disconnect() -> None:
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        self.disconnected = True
+                        logger.info("client disconnected; stopping the stream")
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(watch_disconnect)
+            try:
+                try:
+                    async for payload in self._events:
+                        await send({"type": "http.response.body", "body": encode_event(payload), "more_body": True})
+                except ParrotError as e:
+                    logger.info("stream failed: %s: %s", e.code, e.message)
+                    await send({"type": "http.response.body", "body": encode_event(e.to_body()), "more_body": True})
+                except Exception as e:  # a bug: log it, tell the client, end the stream cleanly
+                    logger.exception("stream crashed")
+                    await send({"type": "http.response.body", "body": encode_event(internal_error_body(e)),
+                                "more_body": True})
+                await send({"type": "http.response.body", "body": DONE, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except OSError:
+                self.disconnected = True  # the socket is gone
+            finally:
+                with anyio.CancelScope(shield=True):
+                    aclose = getattr(self._events, "aclose", None)
+                    if aclose is not None:
+                        await aclose()
+                tg.cancel_scope.cancel()
