@@ -15,6 +15,7 @@ import torch
 from parrot.engine.builder import TINY_RANDOM_CONFIG
 from parrot.engine.layers.attention import DecodeGroup, PagedAttention, PrefillMeta
 from parrot.engine.layers.int4 import NATIVE_INT4_MAX_ROWS
+from parrot.engine.layers.linear import MatmulKernels
 from parrot.engine.layers.packed import vnni_kernel
 from parrot.engine.layers.qdot import qdot_kernel
 from parrot.engine.models.llama import FUSED_OP_NAMES, build_random_model
@@ -35,17 +36,18 @@ def ops(native_kernel):
     return ops
 
 
-def bf16_model(ops, quant: str):
+def bf16_model(ops, quant: str, kernels: MatmulKernels | None = None):
+    """The bf16 path's model (``kernels`` None: this machine's native matmuls)."""
     if not ops.int4_available():
         pytest.skip("no AVX512-BF16 here: the bf16 path's native matmuls do not run")
-    return build_random_model(CONFIG, dtype=torch.bfloat16, weight_quant=quant, seed=3)
+    return build_random_model(CONFIG, dtype=torch.bfloat16, weight_quant=quant, seed=3, kernels=kernels)
 
 
 def qdot_model(ops, quant: str, terms: int):
     if "avx2" not in ops.qdot_variants():
         pytest.skip("no AVX2 + FMA + F16C here: the integer-dot path does not run")
     return build_random_model(CONFIG, dtype=torch.float32, weight_quant=quant, seed=3,
-                              qdot=qdot_kernel("avx2", terms))
+                              kernels=MatmulKernels(qdot=qdot_kernel("avx2", terms)))
 
 
 def per_layer_ops(ops) -> SimpleNamespace:
@@ -91,7 +93,7 @@ def test_bit_identical_to_the_per_layer_path(ops, quant: str, rows: int) -> None
     model = bf16_model(ops, quant)
     fused, fused_caches, attn = run(model, ops, rows, seed=rows)
     assert attn.plain_decode() is not None
-    taken = all(layer.native_weights(rows) is not None for layer in model.layers)
+    taken = all(layer.native_calls(rows) is not None for layer in model.layers)
     limit = max(vnni_kernel().max_rows, NATIVE_INT4_MAX_ROWS if quant == "int4" else 0)
     assert taken == (rows <= limit)
     per_layer, per_layer_caches, _ = run(model, per_layer_ops(ops), rows, seed=rows)
@@ -109,7 +111,7 @@ def test_qdot_path_bit_identical_to_the_per_layer_path(ops, quant: str, terms: i
     model = qdot_model(ops, quant, terms)
     fused, fused_caches, attn = run(model, ops, rows, seed=rows)
     assert attn.plain_decode() is not None
-    assert all(layer.native_weights(rows) is not None for layer in model.layers)
+    assert all(layer.native_calls(rows) is not None for layer in model.layers)
     per_layer, per_layer_caches, _ = run(model, per_layer_ops(ops), rows, seed=rows)
     assert fused.dtype == torch.float32 and fused_caches[0][0].dtype == torch.float16
     assert torch.equal(fused, per_layer)
@@ -132,23 +134,27 @@ def test_only_plain_decode_batches_take_it(ops) -> None:
 
 
 @pytest.mark.parametrize("path", ["bf16", "qdot"])
-def test_use_native_switches_the_op_off_and_on(ops, path: str) -> None:
-    """The per-row-count argument lists are built once; model.use_native(False) drops them, so the next decode
-    step runs layer by layer (torch's kernels), and use_native(True) brings the op back."""
-    calls: list[int] = []
+def test_argument_lists_built_once_and_no_op_without_native_matmuls(ops, path: str) -> None:
+    """The per-row-count argument lists are built once (every decode step of that size reuses them); the same
+    model assembled for the torch plan (no native matmul kernels: torch's int4 / dense fp32 weights) never takes
+    the op and runs layer by layer."""
+    calls: list[list[torch.Tensor]] = []
 
     def decode_layers(*args):
-        calls.append(1)
+        calls.append(args[3])  # the qkv weights' list
         return ops.decode_layers(*args)
 
     recording = SimpleNamespace(**vars(per_layer_ops(ops)), decode_layers=decode_layers)
     model = bf16_model(ops, "int4") if path == "bf16" else qdot_model(ops, "int4", 2)
     run(model, recording, 2, seed=1)
     run(model, recording, 2, seed=1)
+    assert len(calls) == 2 and calls[0] is calls[1]
+    if path == "bf16":
+        onednn = MatmulKernels.available("cpu", torch.bfloat16).onednn
+        torch_plan = bf16_model(ops, "int4", MatmulKernels(onednn=onednn))
+    else:
+        torch_plan = build_random_model(CONFIG, dtype=torch.float32, weight_quant="none", seed=3,
+                                        kernels=MatmulKernels())
+    run(torch_plan, recording, 2, seed=1)
     assert len(calls) == 2
-    model.use_native(False)
-    run(model, recording, 2, seed=1)
-    assert len(calls) == 2
-    model.use_native(True)
-    run(model, recording, 2, seed=1)
-    assert len(calls) == 3
+    assert all(layer.native_calls(rows) is None for layer in torch_plan.layers for rows in (1, 2, 8, 64))

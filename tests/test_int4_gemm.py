@@ -1,6 +1,6 @@
 """The native int4 GEMM (parrot/engine/kernels/int4_gemm.cpp): exact against the dequantized weights, exact
-recovery of the default GGUF's Q4_1 groups, input checks, and FastLinear's choice between it, torch's int4
-kernel and the bf16 kernels."""
+recovery of the default GGUF's Q4_1 groups, input checks, and the int4 / Q8_0 layer paths on it
+(NativeInt4Weight over the bf16 form) beside torch's int4 kernel (Int4Weight, the path without it)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from parrot.engine.config import read_model_config
-from parrot.engine.layers.int4 import (INT4_GROUP, NATIVE_INT4_MAX_ROWS, NATIVE_Q8_0_MAX_ROWS, NativeInt4,
-                                       native_int4, q4_1_codes, q8_0_planes)
-from parrot.engine.layers.linear import INT4_MAX_ROWS_PACKED, FastLinear
+from parrot.engine.layers.int4 import (INT4_GROUP, INT4_MAX_ROWS_PACKED, NATIVE_INT4_MAX_ROWS,
+                                       NATIVE_Q8_0_MAX_ROWS, Int4Weight, NativeInt4, NativeInt4Weight, native_int4,
+                                       q4_1_codes, q8_0_planes)
+from parrot.engine.layers.linear import MatmulKernels, make_linear
+from parrot.engine.layers.packed import PackedBf16Weight, VnniWeight
 from parrot.engine.loader import iter_weights
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -121,44 +123,53 @@ def test_rejects_bad_input(int4) -> None:
         ops.int4_linear(torch.zeros(1, 64), packed)
 
 
-def test_fastlinear_picks_native_int4_then_falls_back(int4) -> None:
-    """An int4 bf16 layer runs the native kernel for 1..8 rows and the bf16 path above; with native kernels off
-    it runs torch's int4 kernel for one row. All of them compute the same product up to rounding."""
+def test_int4_layer_runs_native_int4_then_the_bf16_form(int4) -> None:
+    """An int4 bf16 layer runs the native kernel for 1..8 rows and the bf16 path above; the same layer built
+    without the native kernels (the torch plan) runs torch's int4 kernel for one row. All of them compute the same
+    product up to rounding."""
     g = torch.Generator().manual_seed(7)
     w = torch.randn(64, 96, generator=g) * 0.05
-    layer = FastLinear(w, dtype=torch.bfloat16, quant="int4", pack=True)
-    assert layer.int4 is int4 and layer.quant_max_rows == NATIVE_INT4_MAX_ROWS
+    kernels = MatmulKernels(onednn=True, int4=int4)
+    layer = make_linear([(w, None)], dtype=torch.bfloat16, quant="int4", kernels=kernels)
+    assert isinstance(layer.path, NativeInt4Weight) and layer.path.kernel is int4
+    assert layer.path.max_rows == NATIVE_INT4_MAX_ROWS and isinstance(layer.path.above, PackedBf16Weight)
     wq = dequantize(*q4_1_codes(w))
     for rows in (1, NATIVE_INT4_MAX_ROWS):
         x = torch.randn(rows, 96, generator=g).bfloat16()
         y = layer(x)
-        assert torch.equal(y, int4.linear(x, layer.int4_weight))
+        assert torch.equal(y, int4.linear(x, layer.path.packed))
+        assert layer.native_call(rows).weight is layer.path.packed
         _check(y, x, wq)
     x = torch.randn(NATIVE_INT4_MAX_ROWS + 1, 96, generator=g).bfloat16()
     _check(layer(x), x, w.bfloat16())  # the dense bf16 weight above the int4 rows
-    assert layer.use_native(False) is False
-    assert layer.int4 is None and layer.quant_max_rows == INT4_MAX_ROWS_PACKED
+    assert layer.native_call(NATIVE_INT4_MAX_ROWS + 1) is None
+    torch_path = make_linear([(w, None)], dtype=torch.bfloat16, quant="int4", kernels=MatmulKernels(onednn=True))
+    assert isinstance(torch_path.path, Int4Weight) and torch_path.path.max_rows == INT4_MAX_ROWS_PACKED
+    assert torch_path.native_call(1) is None
     # torch's int4 form rounds each group's scale and zero to bf16 (8 bits; the native form keeps fp16), so it
     # sits further from the exact product: ~0.03 on outputs of ~1 here
     x1 = x[:1]
-    torch.testing.assert_close(layer(x1).float(), (x1.double() @ wq.double().T).float(), atol=8e-2, rtol=2e-2)
-    assert layer.use_native(True) and layer.int4 is int4
+    torch.testing.assert_close(torch_path(x1).float(), (x1.double() @ wq.double().T).float(), atol=8e-2, rtol=2e-2)
+    assert torch.equal(torch_path(x), layer(x))  # the same bf16 form above
 
 
-def test_fastlinear_q8_0_head(int4) -> None:
-    """A q8_0 layer runs the two-plane kernel for up to NATIVE_Q8_0_MAX_ROWS rows and its bf16 weight above; with
-    native kernels off it is a plain bf16 layer."""
+def test_q8_0_head(int4) -> None:
+    """A q8_0 layer runs the two-plane kernel for up to NATIVE_Q8_0_MAX_ROWS rows and its bf16 weight above
+    (here over the VNNI kernel where it runs); without the native kernels it is a plain bf16 layer."""
     g = torch.Generator().manual_seed(9)
     w = torch.randn(96, 64, generator=g)
-    layer = FastLinear(w, dtype=torch.bfloat16, quant="q8_0", pack=True)
-    assert layer.int4 is int4 and layer.qweight is None and layer.quant_max_rows == NATIVE_Q8_0_MAX_ROWS
+    layer = make_linear([(w, None)], dtype=torch.bfloat16, quant="q8_0",
+                        kernels=MatmulKernels.available("cpu", torch.bfloat16))
+    assert isinstance(layer.path, NativeInt4Weight) and layer.path.max_rows == NATIVE_Q8_0_MAX_ROWS
+    assert layer.quant == "q8_0" and isinstance(layer.path.above, (VnniWeight, PackedBf16Weight))
     codes, d, m = q8_0_planes(w)
     wq = dequantize(codes[0], d[0], m[0]) + dequantize(codes[1], d[1], m[1])
     x = torch.randn(NATIVE_Q8_0_MAX_ROWS, 64, generator=g).bfloat16()
-    assert torch.equal(layer(x), int4.linear(x, layer.int4_weight))
+    assert torch.equal(layer(x), int4.linear(x, layer.path.packed))
     _check(layer(x), x, wq)
     x3 = torch.randn(NATIVE_Q8_0_MAX_ROWS + 1, 64, generator=g).bfloat16()
     _check(layer(x3), x3, w.bfloat16())
-    assert layer.native_weight(NATIVE_Q8_0_MAX_ROWS) is layer.int4_weight
-    assert layer.use_native(False) is False and layer.quant_max_rows is None
-    _check(layer(x), x, w.bfloat16())
+    assert layer.native_call(NATIVE_Q8_0_MAX_ROWS).weight is layer.path.packed
+    plain = make_linear([(w, None)], dtype=torch.bfloat16, quant="q8_0", kernels=MatmulKernels(onednn=True))
+    assert isinstance(plain.path, PackedBf16Weight) and plain.native_call(1) is None
+    _check(plain(x), x, w.bfloat16())

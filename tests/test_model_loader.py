@@ -15,7 +15,9 @@ from safetensors.torch import save_file
 
 from parrot.common.errors import ModelNotFound
 from parrot.engine.config import ModelConfig, config_from_hf, read_model_config
-from parrot.engine.layers.linear import INT8_MAX_ROWS, FastLinear, quantize_int8
+from parrot.engine.layers.int8 import INT8_MAX_ROWS, Int8Weight, quantize_int8
+from parrot.engine.layers.linear import Linear, MatmulKernels, make_linear
+from parrot.engine.layers.weight import DenseWeight
 from parrot.engine.loader import to_interleaved
 from parrot.engine.model_files import default_model_path, resolve_model_path
 from parrot.engine.models import build_random_model, load_model
@@ -142,19 +144,21 @@ def test_int8_linear_matches_dense_and_switches_kernel_by_rows() -> None:
     assert (dequant - w).abs().max() <= s.float().max() * 0.51  # error of rounding to the int8 grid only
     x_small = torch.randn(INT8_MAX_ROWS, 64, generator=gen)
     for dtype in (torch.bfloat16, torch.float32):  # fp32 models run the int8 kernel on bf16 activations
-        layer = FastLinear(w, dtype=dtype, quant="int8")
+        layer = make_linear([(w, None)], dtype=dtype, quant="int8", kernels=MatmulKernels())
+        assert isinstance(layer.path, Int8Weight) and layer.path.max_rows == INT8_MAX_ROWS
+        assert layer.native_call(1) is None and layer.decode_bytes() == q.nbytes + s.nbytes
         y = layer(x_small.to(dtype))
         assert y.dtype == dtype
         want = x_small.bfloat16().float() @ dequant.T
         torch.testing.assert_close(y.float(), want, atol=0.02, rtol=0.01)  # bf16 output rounding
         x_big = torch.randn(INT8_MAX_ROWS + 1, 64, generator=gen).to(dtype)
         assert torch.equal(layer(x_big), F.linear(x_big, w.to(dtype)))  # dense copy for many rows
-    wide = FastLinear(w, dtype=torch.bfloat16, quant="int8", quant_max_rows=3 * INT8_MAX_ROWS)
+    wide = Linear(Int8Weight(w, DenseWeight(w.bfloat16()), max_rows=3 * INT8_MAX_ROWS))
     x_big = torch.randn(3 * INT8_MAX_ROWS, 64, generator=gen)
     torch.testing.assert_close(wide(x_big.bfloat16()).float(), x_big.bfloat16().float() @ dequant.T,
                                atol=0.02, rtol=0.01)
     with pytest.raises(ValueError, match="quant must be one of"):
-        FastLinear(w, dtype=torch.float32, quant="int3")
+        make_linear([(w, None)], dtype=torch.float32, quant="int3", kernels=MatmulKernels())
 
 
 # ---- safetensors ---------------------------------------------------------------------------------------------------

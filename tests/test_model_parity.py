@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from parrot.engine.config import ModelConfig, read_model_config
-from parrot.engine.layers.linear import FastLinear
+from parrot.engine.layers.linear import MatmulKernels
 from parrot.engine.layers.qdot import qdot_kernel
+from parrot.engine.layers.weight import FewRowsWeight
 from parrot.engine.loader import iter_weights, weight_formats
 from parrot.engine.models import build_random_model, load_model
 from parrot.engine.models.llama import LlamaForCausalLM, assemble_model
@@ -177,8 +178,8 @@ def test_low_precision_agreement(default_model_path, canonical_weights, fp32_ref
                            weight_quant=quant)
     chunk = 16
     if quant != "none":
-        chunk = min(layer.quant_max_rows for layer in model.modules() if isinstance(layer, FastLinear)
-                    and layer.quant == quant)
+        chunk = min(lin.path.max_rows for lin in model.linears() if isinstance(lin.path, FewRowsWeight)
+                    and lin.quant == quant)
     rate, decode_rate = agreement(model, prompt_ids, fp32_reference, chunk)
     logger.info("%s/%s vs fp32: next-token agreement %.3f over the prompt positions, %.3f over 16 decode steps",
                 dtype, quant, rate, decode_rate)
@@ -199,7 +200,8 @@ def test_integer_dot_path_agreement(native_kernel, default_model_path, canonical
     variant = "avx2" if "avx2" in torch.ops.parrot_kernels.qdot_variants() else "scalar"
     kernel = qdot_kernel(variant, act_terms)
     model = assemble_model(read_model_config(default_model_path), canonical_weights, dtype=torch.float32,
-                           weight_quant=quant, qdot=kernel, formats=weight_formats(default_model_path))
+                           weight_quant=quant, kernels=MatmulKernels(qdot=kernel),
+                           formats=weight_formats(default_model_path))
     rate, decode_rate = agreement(model, prompt_ids, fp32_reference, 16)
     bar_rate, bar_decode = bf16_agreement
     logger.info("qdot %s weights, %d activation term(s) vs fp32: agreement %.3f / %.3f (bf16: %.3f / %.3f)", quant,

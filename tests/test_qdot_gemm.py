@@ -1,6 +1,6 @@
 """The integer-dot GEMM (parrot/engine/kernels/qdot_gemm.cpp, layers/qdot.py): the AVX2 kernel bit-identical to its
 scalar twin, both within the activation quantization's bound of the exact product, exact recovery of the default
-GGUF's Q4_1 / Q8_0 codes (and of Q4_0's), the packed layout's round trip, input checks, and QDotLinear."""
+GGUF's Q4_1 / Q8_0 codes (and of Q4_0's), the packed layout's round trip, input checks, and the QDotWeight path."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import torch
 
 from parrot.engine.config import read_model_config
 from parrot.engine.layers.int4 import INT4_GROUP
-from parrot.engine.layers.qdot import Planes, QDotKernel, QDotLinear, qdot_kernel, to_planes
+from parrot.engine.layers.linear import Linear, MatmulKernels, make_linear
+from parrot.engine.layers.qdot import Planes, QDotKernel, QDotWeight, qdot_kernel, to_planes
+from parrot.engine.layers.weight import DenseWeight
 from parrot.engine.loader import iter_weights, weight_formats
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -146,32 +148,34 @@ def test_q4_0_codes_are_recovered_exactly() -> None:
     assert not torch.equal(to_planes(values, "int4", None).dequantize(), values)
 
 
-def test_qdot_linear_module(ops) -> None:
-    """QDotLinear runs the kernel at every row count; use_native(False) switches to F.linear on the dequantized
-    weight (within the activation rounding of it) and back."""
+def test_qdot_layer(ops) -> None:
+    """A layer on the qdot kernel (MatmulKernels.qdot) is a QDotWeight that runs the kernel at every row count,
+    within the activation rounding of F.linear on the weight it encodes (the Q8_0 of w for "int8")."""
     kernel = QDotKernel(ops, "scalar", 2)
     w = torch.randn(24, 64) * 0.05
-    lin = QDotLinear(to_planes(w, "int8"), kernel, dtype=torch.float32, quant="int8")
+    lin = make_linear([(w, None)], dtype=torch.float32, quant="int8", kernels=MatmulKernels(qdot=kernel))
+    assert isinstance(lin.path, QDotWeight) and lin.path.planes == 2 and lin.quant == "int8"
     x = torch.randn(6, 64)
     y = lin(x)
-    assert lin.native_weight(100) is lin.packed and lin.quant_max_rows is None
-    assert not lin.use_native(False) and lin.native_weight(1) is None
-    dense = lin(x)
+    assert torch.equal(y, ops.qdot_linear(x, lin.path.packed, "scalar", 2))
+    call = lin.native_call(100)
+    assert call.weight is lin.path.packed and (call.backend, call.act_terms) == ("scalar", 2)
+    dense = torch.nn.functional.linear(x, lin.dense_weight())
     assert torch.allclose(y, dense, rtol=1e-4, atol=1e-4) and not torch.equal(y, dense)
     assert torch.allclose(lin.dense_weight(), w, rtol=0, atol=w.abs().max().item() / 254 * 1.01)  # Q8_0 of w
-    lin.use_native(True)
-    assert torch.equal(lin(x), y)
+    assert lin.decode_bytes() == lin.path.packed.nbytes
 
 
 def test_prefill_sized_batches_run_dense(ops) -> None:
     """With dense_min_rows, a batch that large is the exact fp32 product with the dequantized weight (torch's GEMM),
-    and the all-layers decode op is not offered it (native_weight None); smaller batches stay on the kernel."""
+    and the all-layers decode op is not offered it (native_call None); smaller batches stay on the kernel."""
     planes = to_planes(torch.randn(16, 64) * 0.05, "int4")
-    lin = QDotLinear(planes, QDotKernel(ops, "scalar", 2, dense_min_rows=5), dtype=torch.float32, quant="int4")
+    lin = Linear(QDotWeight(planes, QDotKernel(ops, "scalar", 2, dense_min_rows=5), dtype=torch.float32,
+                            quant="int4"))
     big, small = torch.randn(5, 64), torch.randn(4, 64)
     assert torch.equal(lin(big), torch.nn.functional.linear(big, planes.dequantize()))
-    assert lin.native_weight(5) is None and lin.native_weight(4) is lin.packed
-    assert torch.equal(lin(small), ops.qdot_linear(small, lin.packed, "scalar", 2))
+    assert lin.native_call(5) is None and lin.native_call(4).weight is lin.path.packed
+    assert torch.equal(lin(small), ops.qdot_linear(small, lin.path.packed, "scalar", 2))
 
 
 def test_model_with_shapes_the_kernel_cannot_pack(ops, tiny_config) -> None:
@@ -179,15 +183,15 @@ def test_model_with_shapes_the_kernel_cannot_pack(ops, tiny_config) -> None:
     the rest run the kernel; the model still matches its fp32 twin closely."""
     import dataclasses
 
-    from parrot.engine.layers.linear import FastLinear
     from parrot.engine.models.llama import build_random_model
 
     cfg = dataclasses.replace(tiny_config, hidden_size=48, num_heads=3, num_kv_heads=1, head_dim=16,
                               intermediate_size=64)
-    model = build_random_model(cfg, dtype=torch.float32, seed=2, weight_quant="auto", qdot=QDotKernel(ops, "scalar", 2))
+    model = build_random_model(cfg, dtype=torch.float32, seed=2, weight_quant="auto",
+                               kernels=MatmulKernels(qdot=QDotKernel(ops, "scalar", 2)))
     ref = build_random_model(cfg, dtype=torch.float32, seed=2)
     layer = model.layers[0]
-    assert (type(layer.qkv_proj), type(layer.down_proj)) == (FastLinear, QDotLinear)  # 48 features vs 64
+    assert (type(layer.qkv_proj.path), type(layer.down_proj.path)) == (DenseWeight, QDotWeight)  # 48 features vs 64
     assert model.layers[0].qkv_proj.quant == "none"
 
     def attn(layer_idx, q, k, v):

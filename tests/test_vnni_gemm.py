@@ -1,5 +1,5 @@
-"""The native bf16 GEMM (parrot/engine/kernels/vnni_gemm.cpp), every backend this machine runs, and FastLinear's
-per-row-count kernel choice."""
+"""The native bf16 GEMM (parrot/engine/kernels/vnni_gemm.cpp), every backend this machine runs, and the VnniWeight
+path's per-row-count kernel choice."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parrot.engine.layers.linear import FastLinear
-from parrot.engine.layers.packed import VnniKernel, vnni_kernel, vnni_kernels
+from parrot.engine.layers.linear import Linear, MatmulKernels, make_linear
+from parrot.engine.layers.packed import PackedBf16Weight, VnniKernel, VnniWeight, vnni_kernel, vnni_kernels
 
 BACKENDS = ("amx", "avx512_bf16")
 
@@ -94,28 +94,32 @@ def test_backends_agree(native_kernel) -> None:
     assert torch.allclose(a.float(), b.float(), rtol=2**-7, atol=1e-2)
 
 
-def test_fast_linear_uses_the_native_kernel_for_decode_rows_and_onednn_above(best, monkeypatch) -> None:
+def test_vnni_path_runs_the_native_kernel_for_decode_rows_and_onednn_above(best, monkeypatch) -> None:
+    kernels = MatmulKernels(onednn=True, vnni=best)
     w = torch.randn(96, 64)
-    layer = FastLinear(w, dtype=torch.bfloat16, pack=True)
-    assert layer.vnni is best and layer.packed_decode is None and layer.weight is None
+    layer = make_linear([(w, None)], dtype=torch.bfloat16, quant="none", kernels=kernels)
+    assert isinstance(layer.path, VnniWeight) and layer.path.kernel is best and layer.path.max_rows == best.max_rows
+    assert isinstance(layer.path.above, PackedBf16Weight) and layer.path.above.decode is None  # no dense copy
     assert torch.equal(layer.dense_weight(), w.bfloat16())
     calls: list[int] = []
 
     class Spy:
         max_rows = best.max_rows
+        backend = best.backend
 
         def linear(self, x, p):
             calls.append(x.shape[0])
             return best.linear(x, p)
 
-    monkeypatch.setattr(layer, "vnni", Spy())
+    monkeypatch.setattr(layer.path, "kernel", Spy())
     for rows in (1, 2, best.max_rows, best.max_rows + 1, 200):
         x = torch.randn(rows, 64).bfloat16()
         _check(layer(x), x, w.bfloat16())
     assert calls == [1, 2, best.max_rows]
+    assert layer.native_call(best.max_rows).backend == best.backend and layer.native_call(best.max_rows + 1) is None
     # a shape the kernel cannot take keeps the oneDNN decode pack
-    odd = FastLinear(torch.randn(40, 64), dtype=torch.bfloat16, pack=True)
-    assert odd.vnni is None and odd.packed_decode is not None
+    odd = make_linear([(torch.randn(40, 64), None)], dtype=torch.bfloat16, quant="none", kernels=kernels)
+    assert isinstance(odd.path, PackedBf16Weight) and odd.path.decode is not None
     x = torch.randn(3, 64).bfloat16()
     assert torch.equal(odd(x), F.linear(x, odd.dense_weight()))
 
@@ -129,7 +133,8 @@ def test_engine_setting_torch_turns_the_native_matmul_off(best) -> None:
     for mode in ("auto", "torch"):
         eng = build_engine(EngineSettings(random_model="tiny", dtype="bfloat16", attention_kernel=mode))
         try:
-            layers[mode] = [m.vnni is not None for m in eng.runner.model.modules() if isinstance(m, FastLinear)]
+            layers[mode] = [any(isinstance(f, VnniWeight) for f in m.path.forms())
+                            for m in eng.runner.model.modules() if isinstance(m, Linear)]
         finally:
             eng.shutdown()
     assert any(layers["auto"]) and not any(layers["torch"])

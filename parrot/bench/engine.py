@@ -104,25 +104,10 @@ class OursRunner(Runner):
         return secs
 
     def decode_weight_bytes(self) -> int:
-        """Per FastLinear: the quantized weight a one-row decode step streams when it has one (the native int4
-        form, codes and scales in one tensor, or torch's int4 / int8 weight + scales), else its dense weight; per
-        QDotLinear (integer-dot paths): its packed codes + scales (or the dense weight with native kernels off)."""
-        from parrot.engine.layers.linear import FastLinear
-        from parrot.engine.layers.qdot import QDotLinear
-
-        total = 0
-        for mod in self.engine.runner.model.modules():
-            if isinstance(mod, QDotLinear):
-                total += mod.packed.nbytes if mod.qdot is not None else mod.dense_weight().nbytes
-            elif isinstance(mod, FastLinear):
-                dense = mod.out_features * mod.in_features * mod.dtype.itemsize  # dense or packed, same bytes
-                if mod.int4 is not None:
-                    total += mod.int4_weight.nbytes
-                elif mod.qweight is not None:
-                    total += mod.qweight.nbytes + mod.scales.nbytes
-                else:
-                    total += dense
-        return total
+        """Per matmul, the weight a one-row decode step streams (Linear.decode_bytes: the quantized form where the
+        layer's path has one -- native int4, torch's int4 / int8 + scales, qdot codes + scales -- else the dense
+        weight, packed or not)."""
+        return sum(lin.decode_bytes() for lin in self.engine.runner.model.linears())
 
     def numerics(self) -> dict:
         """The engine's numerics plan as it runs (NumericsPlan.to_dict())."""
@@ -303,7 +288,7 @@ def plan_workers(args, file_type: str) -> list[str]:
             workers += [f"hf:{d}" for d in args.hf_dtypes]
         elif system == "llamacpp":
             if not llama_cpp_available():
-                print("llama.cpp: not installed (run /work/shared/tools/install-llamacpp.sh)", flush=True)
+                print("llama.cpp: not installed (run: bash scripts/install-llamacpp.sh)", flush=True)
                 continue
             variants = [v for v in args.llama_variants if v == "file" or v != file_type]
             workers += [f"llamacpp:{v}" for v in dict.fromkeys(variants)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 
 import torch
 
@@ -11,7 +12,7 @@ from parrot.engine.config import ModelConfig
 from parrot.engine.cpu import CpuPath, probe_cpu
 from parrot.engine.engine import EngineThread, LLMEngine
 from parrot.engine.kv_cache.block_pool import BlockPool
-from parrot.engine.layers.qdot import qdot_kernel
+from parrot.engine.layers.linear import MatmulKernels
 from parrot.engine.local_client import LocalEngineClient
 from parrot.engine.model_files import resolve_model_path
 from parrot.engine.numerics import KernelSupport, NumericsPlan, choose_path, make_plan
@@ -34,7 +35,8 @@ TINY_RANDOM_CONFIG = ModelConfig(
 
 
 def build_engine(settings: EngineSettings, *, model=None, tokenizer=None) -> LLMEngine:
-    """Load (or take) the model + tokenizer and start an LLMEngine. ``model``/``tokenizer`` are for tests.
+    """Load (or take) the model + tokenizer and start an LLMEngine. ``model``/``tokenizer`` are for tests (a given
+    model keeps the matmul paths it was built with).
 
     Everything torch runs on the engine's own thread, which then runs its loop (engine.EngineThread says why)."""
     thread = EngineThread(f"parrot-engine-{settings.name}")
@@ -54,22 +56,23 @@ def _assemble(settings: EngineSettings, model, tokenizer, thread: EngineThread) 
     plan = numerics_plan(settings, native)
     log.info("engine %s: %s", settings.name, plan.describe())
     dtype = _DTYPES[plan.dtype]
-    qdot = qdot_kernel(plan.qdot_variant, plan.act_terms) if plan.qdot_variant else None
+    kernels = MatmulKernels.for_plan(plan, settings.device, dtype)
     if model is None and settings.random_model == "tiny":
         from parrot.engine.models.llama import build_random_model
         from parrot.engine.tokenizer import load_tokenizer
 
         # dense weights as ever on the bf16 / torch paths; the integer-dot paths run their kernel (Q8_0 planes)
         model = build_random_model(TINY_RANDOM_CONFIG, dtype=dtype, device=settings.device, seed=settings.seed,
-                                   weight_quant=plan.weight_quant if qdot is not None else "none", qdot=qdot)
+                                   weight_quant=plan.weight_quant if kernels.qdot is not None else "none",
+                                   kernels=kernels)
         tokenizer = load_tokenizer(resolve_model_path(None))
     if model is None:
         from parrot.engine.models.llama import load_model
         from parrot.engine.tokenizer import load_tokenizer
 
         path = resolve_model_path(settings.model)
-        model = load_model(path, dtype=dtype, device=settings.device, weight_quant=plan.weight_quant, qdot=qdot,
-                           vnni_backend=plan.vnni_backend)
+        model = load_model(path, dtype=dtype, device=settings.device, weight_quant=plan.weight_quant,
+                           kernels=kernels)
         tokenizer = load_tokenizer(path)
         model_name = os.path.basename(path.rstrip("/"))
     else:
@@ -88,13 +91,9 @@ def _assemble(settings: EngineSettings, model, tokenizer, thread: EngineThread) 
     ops = native if plan.native_ops else None
     if model.use_fused_ops(ops):  # None keeps / restores the torch path
         log.info("engine %s: native fused norm / SwiGLU ops in use", settings.name)
-    linears = model.use_native(ops is not None)
-    for kind, kernels in (("vnni", [m.vnni for m in linears if getattr(m, "vnni", None) is not None]),
-                          ("int4", [m.int4 for m in linears if getattr(m, "int4", None) is not None]),
-                          ("qdot", [m.qdot for m in linears if getattr(m, "qdot", None) is not None])):
-        if kernels:
-            log.info("engine %s: native %s matmul in %d of %d linear layers", settings.name, kind, len(kernels),
-                     len(linears))
+    linears = model.linears()
+    for path, count in Counter(lin.path.describe() for lin in linears).items():
+        log.info("engine %s: %d of %d linear layers on %s", settings.name, count, len(linears), path)
     # the native causal prefill for the model's dtype (bf16: AVX512-BF16, fp32: AVX2), whole 32-wide head-dim panels
     prefill_here = ops is not None and cfg.head_dim % 32 == 0 and (
         ops.prefill_attention_available() if model.dtype == torch.bfloat16

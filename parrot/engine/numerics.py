@@ -10,7 +10,8 @@ path (parrot.engine.cpu) and the settings (no torch).
 
 A setting given explicitly overrides its part of the plan (``dtype``, ``kv_dtype``, ``weight_quant``), and
 ``attention_kernel="torch"`` turns every native kernel off (torch's matmuls at the chosen dtype). The plan is
-logged at start, reported in the engine's status (``extra["numerics"]``) and in ``/v1/models``.
+logged at start, reported in the engine's status (``extra["numerics"]``) and in ``/v1/models``. The matmul kernels
+it allows become each layer's weight path once, at load (parrot.engine.layers.linear: MatmulKernels.for_plan).
 """
 
 from __future__ import annotations

@@ -9,14 +9,14 @@
 //     out = add_rms_norm_cast(h, linear(silu_mul(linear(x2, gate_up_w)), down_w), next_norm)
 //
 // Why: at one to a few dozen rows every step above is a few microseconds of kernel, and going through Python
-// for each (module calls, row-count dispatch, the op wrappers, views) cost ~45 us per layer (Zen 5, one row: the
-// model's forward took 3.5 ms against ~2.1 ms of kernel time; with this op 2.7 ms). Here the kernels are called
-// through the dispatcher from C++, one Python call per step.
+// for each (module calls, row-count dispatch, the op wrappers, views) costs as much again as the kernels (figures:
+// docs/results/README.md#kernel-design-measurements). Here the kernels are called through the dispatcher from C++,
+// one Python call per step.
 //
 // linear(x, w) runs the kernel the packed weight belongs to: uint8 [N/16, K/32, P * 320] = int4_linear
 // (int4_gemm.cpp), uint8 [N/8, K/32, P, 160] = qdot_linear with variant ``backend`` (qdot_gemm.cpp), bf16
 // [N/32, K/32, 2, 16, 16, 2] = vnni_linear on ``backend`` (vnni_gemm.cpp). The caller picks per layer which form
-// runs for T rows (Linear.native_weight), so the results equal the per-op path's; ``act_terms`` is the qdot
+// runs for T rows (Linear.native_call), so the results equal the per-op path's; ``act_terms`` is the qdot
 // kernel's activation precision (1 or 2 int8 terms, qdot_gemm.cpp), unused by the other kernels.
 //
 // The compute dtype (x, h's updates, the matmul outputs) is bfloat16 or float32; the KV caches may be stored in

@@ -4,8 +4,9 @@
 //     W[n][32 g + j] = d[n][g] * q[n][32 g + j] + m[n][g],     q in [0, 15],  d and m fp16 (as in the file)
 //
 // Why: a one-row decode step streams every weight once and does ~1 multiply per byte; the whole step is the
-// weight read. torch's _weight_int4pack_mm_for_cpu reaches ~22 GB/s on SmolLM2's layers (2 threads); this
-// kernel's weights are one forward stream per thread, decoded with a handful of integer ops per 64 bytes.
+// weight read. torch's _weight_int4pack_mm_for_cpu reads well below the machine's bandwidth on SmolLM2's layers
+// (docs/results/README.md#kernel-design-measurements); this kernel's weights are one forward stream per thread,
+// decoded with a handful of integer ops per 64 bytes.
 //
 // Packed layout (int4_pack), N % 16 == 0, K % 32 == 0: [N/16 panels][K/32 groups][320 bytes]
 //

@@ -135,7 +135,7 @@ inline __m512 reduce16(__m512* v) {
 // conversion), one vector of partial sums per token, and reduce16 turns 16 such vectors into 16 scores.
 // With several KV heads per call the token rows are read whole (all heads side by side), one forward sweep.
 // NB = D / 32 bf16 vectors per head.
-constexpr int64_t kAhead = 64;  // K rows prefetched this many tokens ahead (Zen 4, b16: 32 -> 64 = 6.4 -> 6.1 ms)
+constexpr int64_t kAhead = 64;  // K rows prefetched this many tokens ahead (tuned: see docs/results/README.md)
 
 template <int NB>
 void scores_bf16(const Problem& p, const c10::BFloat16* qb0, const c10::BFloat16* kc, const c10::BFloat16* vc,
@@ -143,8 +143,8 @@ void scores_bf16(const Problem& p, const c10::BFloat16* qb0, const c10::BFloat16
   constexpr int64_t D = 32 * NB;
   const int64_t G = p.G, span = (g1 - g0) * D;
   // this call's part of one token row, into L2, kAhead tokens ahead (into L1 instead, the prefetches evicted the
-  // rows being read: 30 layers at b16 7.8 -> 6.4 ms). V is prefetched by pass 2 itself (pv_bf16): pulling it in
-  // here as well doubled the misses in flight while K streams (Zen 5, b16: ~104 -> ~96 us per layer)
+  // rows being read). V is prefetched by pass 2 itself (pv_bf16): pulling it in here as well doubled the misses in
+  // flight while K streams. Figures: docs/results/README.md#kernel-design-measurements
   auto prefetch_l2 = [&](const c10::BFloat16* x) {
     for (int64_t c = 0; c < span * 2; c += 64) _mm_prefetch(reinterpret_cast<const char*>(x) + c, _MM_HINT_T1);
   };
@@ -365,7 +365,7 @@ void item_avx512(const Problem& p, const T* q, const T* kc, const T* vc, T* out,
     for (int64_t h = 0; h < G; ++h)
       for (int i = 0; i < NV; ++i) acc[h][i] = _mm512_setzero_ps();
     for (int64_t t = 0; t < L; ++t) {
-      if (t + 16 < L) prefetch_rows<T, D>(vc + offs[t + 16] + g * D, row, 1);  // L2 -> L1 (b16: 6.1 -> 5.3 ms)
+      if (t + 16 < L) prefetch_rows<T, D>(vc + offs[t + 16] + g * D, row, 1);  // L2 -> L1 (see docs/results)
       const T* v = vc + offs[t] + g * D;
       __m512 vv[NV];
       for (int i = 0; i < NV; ++i) vv[i] = load16(v + 16 * i);
@@ -488,8 +488,8 @@ void run(const Problem& p, const at::Tensor& q, const at::Tensor& kc, const at::
   const KT* vp = vc.const_data_ptr<KT>();
   T* op = out.mutable_data_ptr<T>();
   // item = (sequence, KV heads): with enough sequences for every thread, a whole sequence (one forward sweep over
-  // whole token rows; measured on Zen 4 as fast as three strided per-head sweeps, and fewer items), else one KV
-  // head of one sequence
+  // whole token rows: as fast as three strided per-head sweeps, docs/results/README.md, and fewer items), else one
+  // KV head of one sequence
   const int64_t per = p.B >= 2 * at::get_num_threads() ? p.KVH : 1, items = p.B * (p.KVH / per);
   // an item costs ~ its sequence length; small grains keep both threads busy on a ragged batch
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {

@@ -5,8 +5,8 @@
 //     P = softmax(scale * S) over keys <= the query's position (others 0), rounded to bf16
 //     O = P V             V^T packed as a GEMM weight: head dims are output columns, keys the reduction
 //
-// Why: torch's CPU flash attention reaches ~70 GFLOP/s here on SmolLM2's shapes (512 tokens, 9 query / 3 KV heads
-// of 64); the register-blocked VDPBF16PS GEMM runs at ~400. A tile only computes the key panels up to its last
+// Why: torch's CPU flash attention runs SmolLM2's shapes at a fraction of the register-blocked VDPBF16PS GEMM's
+// rate (docs/results/README.md#kernel-design-measurements). A tile only computes the key panels up to its last
 // query (causal), so the work is ~(n / 2 + kTile / 2) keys per query instead of n.
 //
 // Layouts: q [n, H, D], k / v [n, KVH, D] (last dim contiguous, token rows may be strided views of the fused
@@ -243,7 +243,7 @@ at::Tensor causal_prefill(const at::Tensor& q, const at::Tensor& k, const at::Te
 #if defined(__AVX512BF16__)
   const int64_t G = H / KVH, N32 = (n + 31) / 32 * 32, tiles = (n + kTile - 1) / kTile;
   // per KV head: K [N32, D] and V^T [D, N32] in the GEMM's weight layout, packed here element by element (the
-  // torch view/permute of vnni::pack costs 0.4 ms per layer at 512 tokens, a quarter of the kernel)
+  // torch view/permute of vnni::pack cost a quarter of the kernel: docs/results/README.md)
   at::Tensor kp = at::zeros({KVH, N32 * D}, q.options());
   at::Tensor vp = at::zeros({KVH, N32 * D}, q.options());
   const bf16* qd = q.const_data_ptr<bf16>();

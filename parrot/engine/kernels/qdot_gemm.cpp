@@ -11,7 +11,8 @@
 // activation group): two planes hold GGUF Q8_0 exactly (layers/qdot.py: u = q + 128 = 16 hi + lo).
 //
 // Activation precision (``terms``): one int8 term is ~8 bits per group (llama.cpp's numerics; on SmolLM2 it moves
-// logits ~5x more than bf16 activations do). Two terms add the rounding residual at 1/256 of the step,
+// the logits well beyond what bf16 activations do: docs/results/README.md). Two terms add the rounding residual at
+// 1/256 of the step,
 //
 //     x ~= e a + (e / 256) b,   b = round((x - e a) * 256 / e) in [-127, 127]     (~16 bits per group)
 //

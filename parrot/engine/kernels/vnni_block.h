@@ -56,8 +56,7 @@ inline void store32(float* out, __m512 lo, __m512 hi) {
 // one panel (32 output columns) x MR rows: out[m][0..32) = xa[m][0..32 KB) . panel^T over its first KB k-steps.
 // ``stream``: the panel comes from DRAM (prefetch ahead in it); ``ahead``: a panel to pull into cache meanwhile
 // (this block computes from cache). Both prefetch into L2, not L1: the panel being read (~36 KB) already fills
-// L1, and L1 prefetches evicted it (Zen 4, 30 decoder layers' matmuls at 16 rows: 13.4 -> 10.7 ms; 8 rows
-// 11.1 -> 6.5 ms; 64 rows within noise)
+// L1, and L1 prefetches evicted it (figures: docs/results/README.md#kernel-design-measurements)
 template <int MR, typename Out>
 void block(const c10::BFloat16* xa, int64_t ldx, const c10::BFloat16* wp, int64_t KB, Out* out, int64_t ldo,
            bool stream, const c10::BFloat16* ahead) {

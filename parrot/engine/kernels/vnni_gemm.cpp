@@ -6,9 +6,9 @@
 //
 // Why: at a few to a few dozen rows a decode step is bound by streaming the weights from DRAM. oneDNN reaches
 // well under the machine's read bandwidth on this shape mix (many 1-3 MB weights, one call each; 2 threads); a
-// kernel whose weight reads are one sequential, software-prefetched stream per thread reaches it (SmolLM2's 30
-// layers at 16 rows, AMX, 2 threads: 21 -> 11 ms). From a few dozen rows on the work is no longer weight-bound
-// and oneDNN is as fast (layers/packed.py picks per call and backend).
+// kernel whose weight reads are one sequential, software-prefetched stream per thread reaches it (figures:
+// docs/results/README.md#kernel-design-measurements). From a few dozen rows on the work is no longer weight-bound
+// and oneDNN is as fast (layers/packed.py: VnniWeight runs up to a row limit per backend).
 //
 // Packed weight layout (vnni_pack), for N % 32 == 0 and K % 32 == 0:
 //

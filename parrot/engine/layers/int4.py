@@ -9,10 +9,11 @@ This is exactly GGUF Q4_1's layout (blocks of 32 along the input dimension with 
 codes: the only loss is rounding scale/zero to the activation dtype. For weights from other formats it is an
 ordinary 4-bit quantization (use int8 or none there).
 
-Two kernels run these weights: torch's ``_weight_int4pack_mm_for_cpu`` (any CPU) and, where the CPU has
-AVX512-BF16, the native ``int4_linear`` (parrot/engine/kernels/int4_gemm.cpp), which keeps the file's fp16
-scale and minimum per group and streams the codes at the machine's read bandwidth (SmolLM2's 30 layers, 2
-threads, Zen 5: 1 row 2.3 -> 1.4 ms, 8 rows 6.0 -> 3.6 ms, vs 5.0 ms for the bf16 VNNI kernel at 8 rows).
+Two kernels run these weights, each as a weight object over the layer's dense form for larger batches: torch's
+``_weight_int4pack_mm_for_cpu`` (any CPU; :class:`Int4Weight`) and, where the CPU has AVX512-BF16, the native
+``int4_linear`` (parrot/engine/kernels/int4_gemm.cpp; :class:`NativeInt4Weight`), which keeps the file's fp16
+scale and minimum per group and streams the codes at the machine's read bandwidth, faster than torch's int4
+kernel and than the bf16 VNNI kernel up to its 8 rows (figures: docs/results/README.md#kernel-design-measurements).
 """
 
 from __future__ import annotations
@@ -25,13 +26,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from parrot.engine.layers.weight import DenseWeight, FewRowsWeight, LinearWeight, NativeCall
+
 log = logging.getLogger(__name__)
 
 INT4_GROUP = 32
-# rows up to which the native int4 kernel runs (its limit; measured faster than the bf16 VNNI kernel at 1-8 rows)
+# rows up to which the native int4 kernel runs (its limit, where it is faster than the bf16 VNNI kernel)
 NATIVE_INT4_MAX_ROWS = 8
 # ... and a two-plane Q8_0 weight (twice the dot products per byte: it beats bf16 at fewer rows)
 NATIVE_Q8_0_MAX_ROWS = 2
+# rows up to which torch's int4 GEMV (half of int8's bytes) beats the dense GEMM, and a pre-packed bf16 weight
+# (layers/packed.py), which wins from 2 rows on (figures: the module docstring's link)
+INT4_MAX_ROWS = 4
+INT4_MAX_ROWS_PACKED = 1
 
 
 def int4_kernel_available(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -111,9 +118,9 @@ class NativeInt4:
     max_rows: int = NATIVE_INT4_MAX_ROWS
 
     @staticmethod
-    def packable(weight: Tensor) -> bool:
-        n, k = weight.shape
-        return weight.device.type == "cpu" and n % 16 == 0 and k % INT4_GROUP == 0
+    def packable(n: int, k: int) -> bool:
+        """Whether ``int4_pack`` takes an [n, k] weight."""
+        return n % 16 == 0 and k % INT4_GROUP == 0
 
     def pack(self, weight: Tensor) -> Tensor:
         return self.ops.int4_pack(*q4_1_codes(weight))
@@ -139,3 +146,64 @@ def native_int4() -> NativeInt4 | None:
     if ops is None or not hasattr(ops, "int4_linear") or not ops.int4_available():
         return None
     return NativeInt4(ops)
+
+
+class Int4Weight(FewRowsWeight):
+    """Group-wise int4 (this module's rule) on torch's ``_weight_int4pack_mm_for_cpu`` for decode batches:
+
+        rows <= max_rows    torch's int4 kernel (bf16 activations)
+        more rows           ``above`` (the dense form)
+
+    ``max_rows`` is INT4_MAX_ROWS over a DenseWeight and INT4_MAX_ROWS_PACKED over pre-packed bf16
+    (:func:`int4_max_rows`). ``weight`` is the float weight the codes are quantized from."""
+
+    def __init__(self, weight: Tensor, above: LinearWeight, max_rows: int) -> None:
+        super().__init__(above, max_rows, "int4")
+        self.qweight, self.scales = quantize_int4(weight, INT4_GROUP, above.dtype)
+
+    def _few(self, x: Tensor) -> Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP, self.scales)
+
+    def _few_call(self) -> NativeCall | None:
+        return None
+
+    def decode_bytes(self) -> int:
+        return self.qweight.nbytes + self.scales.nbytes
+
+
+def int4_max_rows(above: type[LinearWeight]) -> int:
+    """Rows up to which torch's int4 kernel runs over a dense form of type ``above``."""
+    return INT4_MAX_ROWS if above is DenseWeight else INT4_MAX_ROWS_PACKED
+
+
+def native_int4_max_rows(kernel: NativeInt4, quant: str) -> int:
+    """Rows up to which the native kernel runs a weight of ``quant`` ("int4": its limit; "q8_0": fewer)."""
+    return kernel.max_rows if quant == "int4" else NATIVE_Q8_0_MAX_ROWS
+
+
+class NativeInt4Weight(FewRowsWeight):
+    """The native int4 kernel (kernels/int4_gemm.cpp) for decode batches, on one of two weight forms:
+
+        quant "int4"   Q4_1 codes (q4_1_codes)            rows <= NATIVE_INT4_MAX_ROWS (the kernel's limit)
+        quant "q8_0"   Q8_0 as two planes (q8_0_planes)   rows <= NATIVE_Q8_0_MAX_ROWS
+        more rows      ``above`` (the dense form)
+
+    ``weight`` is the float weight the codes come from (exact for a Q4_1 / Q8_0 file's values); bf16 activations,
+    shape per :meth:`NativeInt4.packable`; ``max_rows`` per quant (:func:`native_int4_max_rows`)."""
+
+    def __init__(self, weight: Tensor, above: LinearWeight, kernel: NativeInt4, *, quant: str, max_rows: int) -> None:
+        if quant not in ("int4", "q8_0") or max_rows > kernel.max_rows:
+            raise ValueError(f"the native int4 kernel runs quant 'int4' or 'q8_0' for at most {kernel.max_rows} "
+                             f"rows, got {quant!r} for {max_rows}")
+        super().__init__(above, max_rows, quant)
+        self.kernel = kernel
+        self.packed = kernel.pack(weight) if quant == "int4" else kernel.pack_q8_0(weight)
+
+    def _few(self, x: Tensor) -> Tensor:
+        return self.kernel.linear(x, self.packed)
+
+    def _few_call(self) -> NativeCall | None:
+        return NativeCall(self.packed)
+
+    def decode_bytes(self) -> int:
+        return self.packed.nbytes

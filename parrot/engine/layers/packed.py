@@ -1,18 +1,18 @@
-"""Pre-packed bf16 weights for oneDNN's matmul (CPU).
+"""Pre-packed bf16 weights: oneDNN's packs (any CPU with oneDNN bf16) and the native VNNI GEMM's (AMX /
+AVX512-BF16), as the weight objects :class:`PackedBf16Weight` and :class:`VnniWeight`.
 
 ``F.linear`` on a plain [N, K] bf16 weight makes oneDNN re-layout ("copy B chunk into buffer") the weight on
 every call before its AMX/AVX512-BF16 micro-kernels can run; at decode sizes that copy costs as much as the
 multiply. ``torch.ops.mkldnn._reorder_linear_weight`` does the re-layout once, for an expected row count, and
 ``torch.ops.mkldnn._linear_pointwise`` multiplies with the packed weight. Results are bit-identical to
-``F.linear`` (same micro-kernels); measured on the dev box (1 thread, SmolLM2 shapes) 1.3-2x faster for 2-128 rows
-(the 49152 x 576 head at 64 rows: 21.7 -> 10.9 ms), and a weight packed for 512 rows runs a 512-row prefill
-~1.7x faster than the dense call. fp32 weights gain nothing (slower below 8 rows) and are not packed.
+``F.linear`` (same micro-kernels) and faster: a pack for 64 rows serves decode batches (up to 128 rows), one for
+512 rows prefill. fp32 weights gain nothing and are not packed. Figures for both packs and the VNNI kernel below:
+docs/results/README.md#kernel-design-measurements.
 
 On a CPU with AMX or AVX512-BF16, the decode pack is instead the layout of the native ``vnni_linear`` kernel
 (parrot/engine/kernels/vnni_gemm.cpp) when the library is built and the shape allows it (both dims multiples of
-32): at a few dozen rows it streams the weights at the machine's read bandwidth, well above oneDNN (AMX: SmolLM2's
-30 layers at 16 rows, 2 threads: 21 -> 11 ms); above its row limit (per backend, measured) the oneDNN prefill pack
-runs, so there are still two bf16 copies.
+32): at a few dozen rows it streams the weights at the machine's read bandwidth, well above oneDNN; above its row
+limit (per backend) the oneDNN prefill pack runs, so there are still two bf16 copies.
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from parrot.engine.layers.weight import FewRowsWeight, LinearWeight, NativeCall
+
 log = logging.getLogger(__name__)
 
 # rows the two packs are laid out for, and the row count above which the prefill pack is used
 DECODE_PACK_ROWS = 64
 PREFILL_PACK_ROWS = 512
 DECODE_PACK_MAX_ROWS = 128
-# rows up to which the native kernel's pack is used, per backend (above: the oneDNN prefill pack). Measured on
-# SmolLM2's four matmul shapes x 30 layers, 2 threads: AMX (Xeon) ties oneDNN at 64 rows; AVX512-BF16 (Zen 4,
-# 42 GB/s read) beats oneDNN's decode pack at 1-64 rows (1: 5.1 vs 7.5 ms, 16: 11.0 vs 12.5, 64: 36.2 vs 38.2)
-# and ties its prefill pack at 96-128
+# rows up to which the native kernel's pack is used, per backend (above: the oneDNN prefill pack): where it stops
+# beating oneDNN on SmolLM2's matmul shapes (docs/results/README.md#kernel-design-measurements)
 VNNI_MAX_ROWS = {"amx": 32, "avx512_bf16": 64}
 
 
@@ -66,7 +66,12 @@ class VnniKernel:
 
     ops: Any
     backend: str
-    max_rows: int  # FastLinear uses it for 1..max_rows rows
+    max_rows: int  # VnniWeight runs it for 1..max_rows rows
+
+    @staticmethod
+    def packable(n: int, k: int) -> bool:
+        """Whether ``vnni_pack`` takes an [n, k] bf16 weight (both dims multiples of 32)."""
+        return n % 32 == 0 and k % 32 == 0
 
     def pack(self, weight: Tensor) -> Tensor:
         return self.ops.vnni_pack(weight)
@@ -99,7 +104,54 @@ def vnni_kernel(backend: str | None = None) -> VnniKernel | None:
     return kernels[0] if kernels else None
 
 
-def vnni_packable(weight: Tensor) -> bool:
-    """Whether ``vnni_pack`` takes this weight (bf16 on the CPU, both dims multiples of 32)."""
-    n, k = weight.shape
-    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and n % 32 == 0 and k % 32 == 0
+class PackedBf16Weight(LinearWeight):
+    """A bf16 weight pre-packed for oneDNN (no dense copy is kept):
+
+        rows <= DECODE_PACK_MAX_ROWS    the pack for DECODE_PACK_ROWS rows     (``decode_pack=True``)
+        more rows                       the pack for PREFILL_PACK_ROWS rows    (every row count without the
+                                                                                decode pack: under a VnniWeight)
+    """
+
+    def __init__(self, dense: Tensor, *, decode_pack: bool) -> None:
+        super().__init__(dense.shape[0], dense.shape[1], dense.dtype, "none")
+        self.decode = pack_weight(dense, DECODE_PACK_ROWS) if decode_pack else None
+        self.prefill = pack_weight(dense, PREFILL_PACK_ROWS)
+
+    def forward(self, x: Tensor) -> Tensor:
+        small = self.decode is not None and x.shape[0] <= DECODE_PACK_MAX_ROWS
+        return packed_linear(x, self.decode if small else self.prefill)
+
+    def native_call(self, rows: int) -> NativeCall | None:
+        return None
+
+    def dense(self) -> Tensor:
+        return self.prefill.to_dense()
+
+    def decode_bytes(self) -> int:
+        return self.out_features * self.in_features * self.dtype.itemsize
+
+
+class VnniWeight(FewRowsWeight):
+    """The native VNNI bf16 GEMM (kernels/vnni_gemm.cpp, AMX or AVX512-BF16) for decode-sized batches:
+
+        rows <= kernel.max_rows    ``vnni_linear`` on the kernel's packed layout
+        more rows                  the oneDNN prefill pack (a PackedBf16Weight without the decode pack)
+
+    The weight must be bf16 with both dims multiples of 32 (:meth:`VnniKernel.packable`)."""
+
+    def __init__(self, dense: Tensor, kernel: VnniKernel) -> None:
+        super().__init__(PackedBf16Weight(dense, decode_pack=False), kernel.max_rows, "none")
+        self.kernel = kernel
+        self.packed = kernel.pack(dense)
+
+    def _few(self, x: Tensor) -> Tensor:
+        return self.kernel.linear(x, self.packed)
+
+    def _few_call(self) -> NativeCall | None:
+        return NativeCall(self.packed, self.kernel.backend)
+
+    def decode_bytes(self) -> int:
+        return self.above.decode_bytes()
+
+    def describe(self) -> str:
+        return f"VnniWeight[{self.kernel.backend}] (<= {self.max_rows} rows) > {self.above.describe()}"

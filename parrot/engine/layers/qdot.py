@@ -1,4 +1,4 @@
-"""Linear layers on the integer-dot kernel (kernels/qdot_gemm.cpp): int8 activations x 4-bit weight codes.
+"""The integer-dot path of a linear layer (kernels/qdot_gemm.cpp): int8 activations x 4-bit weight codes.
 
 The kernel's weight is P planes of 4-bit codes per group of 32 input features,
 
@@ -14,8 +14,8 @@ built here from float weights by their source format, exactly where the file's o
     anything else: weight_quant "int4" -> the q4_1 rule (4-bit requantization), "int8" -> the q8_0 rule
 
 The activations are quantized per row and group of 32 inside the kernel, as one int8 term (llama.cpp's Q8_1) or
-two (~16 bits, the default: QDotKernel.terms). One kernel serves every row count (decode and prefill) and no
-dense copy of the weight is kept.
+two (~16 bits, the default: QDotKernel.terms). :class:`QDotWeight` runs the kernel at every row count (decode and
+prefill; with two terms, prefill-sized batches on torch's fp32 GEMM instead) and keeps no dense copy of the weight.
 """
 
 from __future__ import annotations
@@ -26,9 +26,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+import torch.nn.functional as F
+from torch import Tensor
 
 from parrot.engine.layers.int4 import INT4_GROUP, q4_1_codes, q8_0_planes
+from parrot.engine.layers.weight import LinearWeight, NativeCall
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +90,9 @@ def to_planes(weight: Tensor, quant: str, fmt: str | None = None) -> Planes:
 
 
 # Two activation terms cost twice the integer work; from this many rows (prefill chunks) the weight dequantized
-# once per call (O(N K)) and multiplied by torch's fp32 GEMM is faster (measured on AVX2: faster at 512 rows,
-# slower at 128) and as exact. One term stays on the kernel at every size (it outruns the fp32 GEMM there).
+# once per call (O(N K)) and multiplied by torch's fp32 GEMM is faster (the crossover lies between 128 and 512 rows
+# on AVX2: docs/results/README.md#kernel-design-measurements) and as exact. One term stays on the kernel at every
+# size (it outruns the fp32 GEMM there).
 DENSE_MIN_ROWS_TWO_TERMS = 256
 
 
@@ -97,8 +100,8 @@ DENSE_MIN_ROWS_TWO_TERMS = 256
 class QDotKernel:
     """The native integer-dot GEMM on one variant ("avx2" or the portable "scalar" twin, bit-identical), with
     activations as ``terms`` int8 terms per group of 32 (1: ~8 bits, llama.cpp's numerics; 2: ~16 bits, see
-    kernels/qdot_gemm.cpp). From ``dense_min_rows`` rows on (None: never) a float32 product runs on torch's GEMM
-    with the weight dequantized for the call instead."""
+    kernels/qdot_gemm.cpp). From ``dense_min_rows`` rows on (None: never) QDotWeight runs a float32 product on
+    torch's GEMM with the weight dequantized for the call instead."""
 
     ops: Any
     variant: str
@@ -106,16 +109,14 @@ class QDotKernel:
     dense_min_rows: int | None = None
 
     @staticmethod
-    def packable(weight: Tensor) -> bool:
-        n, k = weight.shape
-        return weight.device.type == "cpu" and n % 8 == 0 and k % INT4_GROUP == 0 and k > 0
+    def packable(n: int, k: int) -> bool:
+        """Whether ``qdot_pack`` takes an [n, k] weight."""
+        return n % 8 == 0 and k % INT4_GROUP == 0 and k > 0
 
     def pack(self, planes: Planes) -> Tensor:
         return self.ops.qdot_pack(planes.codes, planes.d, planes.m)
 
     def linear(self, x: Tensor, packed: Tensor) -> Tensor:
-        if self.runs_dense(x.shape[0]) and x.dtype == torch.float32:
-            return nn.functional.linear(x, self.ops.qdot_dequantize(packed))
         return self.ops.qdot_linear(x, packed, self.variant, self.terms)
 
     def runs_dense(self, rows: int) -> bool:
@@ -138,47 +139,40 @@ def qdot_kernel(variant: str, terms: int = 2) -> QDotKernel | None:
     return QDotKernel(ops, variant, terms, DENSE_MIN_ROWS_TWO_TERMS if terms == 2 else None)
 
 
-class QDotLinear(nn.Module):
-    """``y = x @ W.T`` for 2-D ``x`` [rows, in_features] on the integer-dot kernel (no bias; prefill-sized batches
-    on torch's fp32 GEMM where the kernel says so: QDotKernel.dense_min_rows).
+class QDotWeight(LinearWeight):
+    """A weight as packed planes of 4-bit codes on the integer-dot kernel, every row count:
 
-    Same interface as FastLinear where the model uses it (forward, native_weight, use_native, dense_weight).
-    ``use_native(False)`` runs ``F.linear`` on the dequantized weight instead (built on first use)."""
+        rows <  kernel.dense_min_rows (or any, without it)   ``qdot_linear`` (int8 activations x 4-bit codes)
+        rows >= kernel.dense_min_rows, fp32 activations      ``F.linear`` on the weight dequantized for the call
+
+    ``quant``: "int4" (one plane) or "int8" (Q8_0 as two planes); shape per :meth:`QDotKernel.packable`."""
 
     def __init__(self, planes: Planes, kernel: QDotKernel, *, dtype: torch.dtype, quant: str) -> None:
-        super().__init__()
-        self.out_features, self.in_features = planes.codes.shape[1:]
-        self.quant = quant
-        self.dtype = dtype
+        super().__init__(planes.codes.shape[1], planes.codes.shape[2], dtype, quant)
         self.planes = planes.codes.shape[0]
         self.kernel = kernel
-        self.qdot: QDotKernel | None = kernel  # None while use_native(False)
-        self.register_buffer("packed", kernel.pack(planes))
-        self._dense: Tensor | None = None
-        self.quant_max_rows: int | None = None  # the kernel runs every row count
+        self.packed = kernel.pack(planes)
+        self._dense: Tensor | None = None  # dense(), unpacked on first use
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.qdot is not None:
-            return self.qdot.linear(x, self.packed)
-        return nn.functional.linear(x, self.dense_weight())
+        if self.kernel.runs_dense(x.shape[0]) and x.dtype == torch.float32:
+            return F.linear(x, self.kernel.ops.qdot_dequantize(self.packed))
+        return self.kernel.linear(x, self.packed)
 
-    def native_weight(self, rows: int) -> Tensor | None:
-        """The packed weight the native kernel runs for ``rows`` rows; None while the native kernel is off or when
-        that many rows run on torch's GEMM (QDotKernel.dense_min_rows)."""
-        return self.packed if self.qdot is not None and not self.qdot.runs_dense(rows) else None
+    def native_call(self, rows: int) -> NativeCall | None:
+        if self.kernel.runs_dense(rows):
+            return None
+        return NativeCall(self.packed, self.kernel.variant, self.kernel.terms)
 
-    def use_native(self, enabled: bool) -> bool:
-        self.qdot = self.kernel if enabled else None
-        return enabled
-
-    def dense_weight(self) -> Tensor:
-        """The weight the planes encode, as a dense tensor in the compute dtype (unpacked once, then kept)."""
+    def dense(self) -> Tensor:
+        """The weight the planes encode, in the compute dtype (unpacked once, then kept)."""
         if self._dense is None:
             self._dense = self.kernel.ops.qdot_dequantize(self.packed).to(self.dtype)
         return self._dense
 
-    def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features}, quant={self.quant}, planes={self.planes}, "
-                f"qdot={self.qdot.variant if self.qdot is not None else None}, "
-                f"act_terms={self.kernel.terms}")
+    def decode_bytes(self) -> int:
+        return self.packed.nbytes
 
+    def describe(self) -> str:
+        return (f"QDotWeight[{self.kernel.variant}, {self.quant}, {self.planes} plane(s), "
+                f"{self.kernel.terms} act term(s)]")

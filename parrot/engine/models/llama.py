@@ -8,21 +8,22 @@ and is delegated to an :class:`AttentionBackend` (the engine's paged-KV attentio
     h ──rms──► gate_up_proj ──► [ gate | up ] ─► silu(gate) * up ─► down_proj ─► h += ·
 
 The residual stream ``h`` and the RMSNorm weights stay float32 whatever the compute dtype: the norms then run
-without dtype round trips (measured ~40% cheaper than a bf16 norm at T=512) and the residual keeps fp32
-precision; only the matmul inputs/outputs (and attention) are in the compute dtype.
+without dtype round trips (cheaper than a bf16 norm: docs/results/README.md#kernel-design-measurements) and the
+residual keeps fp32 precision; only the matmul inputs/outputs (and attention) are in the compute dtype.
 
 With native fused ops (:meth:`LlamaForCausalLM.use_fused_ops`, bf16 on the CPU) each residual add runs fused with
 the norm after it, ``x = rms_norm(h += delta)`` in one pass per row, and silu(gate) * up is one op; the math
 is the same (fp32 inside), only the rounding of the intermediate bf16 tensors differs.
 
-Weights arrive as float32 under canonical (HF) names from parrot.engine.loader and are fused and cast here.
+Weights arrive as float32 under canonical (HF) names from parrot.engine.loader and are fused and cast here; each
+matmul's numerics path (layers/linear.py) is chosen once, from the MatmulKernels the model is assembled with.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
@@ -33,17 +34,17 @@ from torch import Tensor, nn
 from parrot.engine.config import ModelConfig, read_model_config
 from parrot.engine.layers.attention import PlainDecode
 from parrot.engine.layers.int4 import int4_kernel_available
-from parrot.engine.layers.linear import WEIGHT_QUANTS, FastLinear, int8_compute_dtype, int8_kernel_available
-from parrot.engine.layers.packed import packed_gemm_available
-from parrot.engine.layers.qdot import EXACT_FORMATS, Planes, QDotKernel, QDotLinear, to_planes
+from parrot.engine.layers.int8 import int8_compute_dtype, int8_kernel_available
+from parrot.engine.layers.linear import WEIGHT_QUANTS, Linear, MatmulKernels, make_linear
+from parrot.engine.layers.qdot import EXACT_FORMATS, QDotKernel
 from parrot.engine.layers.rotary import RotaryEmbedding
+from parrot.engine.layers.weight import NativeCall
 from parrot.engine.loader import iter_weights, to_hf_layout, weight_formats
 from parrot.engine.model_files import resolve_model_path
 
 logger = logging.getLogger(__name__)
 
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-Linear = FastLinear | QDotLinear
 
 
 class AttentionBackend(Protocol):
@@ -107,12 +108,12 @@ class LlamaDecoderLayer(nn.Module):
         mlp = self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
         return ops.add_rms_norm_cast(h, mlp, next_norm, self.eps, dtype)
 
-    def native_weights(self, rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+    def native_calls(self, rows: int) -> tuple[NativeCall, NativeCall, NativeCall, NativeCall] | None:
         """The packed weights native kernels run for ``rows`` rows (qkv, o, gate_up, down), or None if any of
         the four matmuls would run a torch kernel."""
-        weights = tuple(lin.native_weight(rows) for lin in (self.qkv_proj, self.o_proj, self.gate_up_proj,
-                                                             self.down_proj))
-        return None if any(w is None for w in weights) else weights
+        calls = tuple(lin.native_call(rows) for lin in (self.qkv_proj, self.o_proj, self.gate_up_proj,
+                                                         self.down_proj))
+        return None if any(c is None for c in calls) else calls
 
     def _attention(self, x: Tensor, rot: Tensor, attn: AttentionBackend,
                    rope: Callable[[Tensor, Tensor], Tensor] = RotaryEmbedding.apply) -> Tensor:
@@ -130,13 +131,13 @@ class LlamaDecoderLayer(nn.Module):
 class DecodeArgs:
     """The per-layer arguments of the all-layers decode op for one row count (see LlamaForCausalLM)."""
 
-    qkv: list[Tensor]  # packed weights, int4 / VNNI / qdot form per Linear.native_weight
+    qkv: list[Tensor]  # packed weights, int4 / VNNI / qdot form per Linear.native_call
     o: list[Tensor]
     gate_up: list[Tensor]
     down: list[Tensor]
     post_norms: list[Tensor]
     next_norms: list[Tensor]  # the norm after each layer: the next layer's input norm, the final norm last
-    backend: str  # the VNNI backend or the qdot variant ("" when every matmul runs int4)
+    backend: str  # the VNNI backend or the qdot variant the calls share ("" when every matmul runs int4)
     act_terms: int  # the qdot kernel's activation terms (unused by the other kernels)
 
 
@@ -152,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, device=embed_tokens.device)
         self.fused_ops: FusedOps | None = None  # see use_fused_ops
         # per decode row count: the per-layer arguments of the all-layers op, or None where a matmul would run a
-        # torch kernel (built on first use; which weight form runs only changes through use_native, which clears it)
+        # torch kernel (built on first use; a layer's path is fixed at load, so they stay valid)
         self._decode_args: dict[int, DecodeArgs | None] = {}
 
     def use_fused_ops(self, ops: FusedOps | None) -> bool:
@@ -165,13 +166,9 @@ class LlamaForCausalLM(nn.Module):
         self.fused_ops = ops if usable else None
         return usable
 
-    def use_native(self, enabled: bool) -> list[Linear]:
-        """Switch every matmul's native kernels on or off (:meth:`FastLinear.use_native`); returns the layers."""
-        linears = [m for m in self.modules() if isinstance(m, (FastLinear, QDotLinear))]
-        for m in linears:
-            m.use_native(enabled)
-        self._decode_args.clear()
-        return linears
+    def linears(self) -> list[Linear]:
+        """Every matmul of the model (the layers' four, then the head)."""
+        return [m for m in self.modules() if isinstance(m, Linear)]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -224,18 +221,15 @@ class LlamaForCausalLM(nn.Module):
                                  self.config.num_heads, args.backend, args.act_terms)
 
     def _build_decode_args(self, rows: int) -> DecodeArgs | None:
-        weights = [layer.native_weights(rows) for layer in self.layers]
-        if any(w is None for w in weights):
+        calls = [layer.native_calls(rows) for layer in self.layers]
+        if any(c is None for c in calls):
             return None
-        first = self.layers[0]
-        lins = (first.qkv_proj, first.o_proj, first.gate_up_proj, first.down_proj)
-        qdot = next((lin.qdot for lin in lins if isinstance(lin, QDotLinear)), None)
-        backend = qdot.variant if qdot is not None else next(
-            (lin.vnni.backend for lin in lins if isinstance(lin, FastLinear) and lin.vnni is not None), "")
-        qkv, o, gate_up, down = (list(ws) for ws in zip(*weights))
+        # the VNNI backend or qdot variant: one per model (the int4 kernel's calls name none)
+        named = [c for layer_calls in calls for c in layer_calls if c.backend]
+        backend, act_terms = (named[0].backend, named[0].act_terms) if named else ("", 1)
+        qkv, o, gate_up, down = ([c.weight for c in cs] for cs in zip(*calls))
         return DecodeArgs(qkv, o, gate_up, down, [layer.post_norm for layer in self.layers],
-                          [self._norm_after(i) for i in range(len(self.layers))], backend,
-                          qdot.terms if qdot is not None else 1)
+                          [self._norm_after(i) for i in range(len(self.layers))], backend, act_terms)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: Tensor) -> Tensor:
@@ -305,39 +299,36 @@ def _qdot_quant(weight_quant: str, formats: list[str | None]) -> str:
 
 def assemble_model(config: ModelConfig, weights: Iterable[tuple[str, Tensor]], *, dtype: torch.dtype,
                    device: str | torch.device = "cpu", weight_quant: str = "none",
-                   qdot: QDotKernel | None = None, formats: Mapping[str, str] | None = None,
-                   vnni_backend: str | None = None) -> LlamaForCausalLM:
+                   kernels: MatmulKernels | None = None, formats: Mapping[str, str] | None = None) -> LlamaForCausalLM:
     """Build the model from ``(canonical name, float tensor)`` pairs in any order. A layer's fused matmul is
     built as soon as its parts have all arrived, so only a few float32 tensors are alive at a time.
 
-    ``qdot``: run every matmul (weight_quant "int4" / "int8" / "auto") on the integer-dot kernel; ``formats``
-    (canonical name -> GGUF format, e.g. "q4_1") lets it keep a file's own codes (layers/qdot.py). Without
-    ``qdot``, weight_quant "auto" means "int4". ``vnni_backend``: the bf16 GEMM backend to use (None = the
-    fastest here)."""
+    ``kernels``: the matmul kernels the layers may run (the engine's NumericsPlan: MatmulKernels.for_plan; None =
+    everything this machine runs but the qdot kernel). With ``kernels.qdot`` every matmul (weight_quant "int4" /
+    "int8" / "auto") runs the integer-dot kernel, and ``formats`` (canonical name -> GGUF format, e.g. "q4_1")
+    lets it keep a file's own codes (layers/qdot.py); without it, weight_quant "auto" means "int4"."""
     if weight_quant not in (*WEIGHT_QUANTS, "auto"):
         raise ValueError(f"weight_quant must be one of {(*WEIGHT_QUANTS, 'auto')}, got {weight_quant!r}")
-    formats = formats or {}
-    if qdot is not None and weight_quant == "none":
-        qdot = None
-    if qdot is None and weight_quant == "auto":
-        weight_quant = "int4"
     if dtype not in COMPUTE_DTYPES:
         raise ValueError(f"dtype must be one of {COMPUTE_DTYPES}, got {dtype}")
+    kernels = kernels if kernels is not None else MatmulKernels.available(device, dtype)
+    if torch.device(device).type != "cpu" and any(k is not None for k in (kernels.vnni, kernels.int4, kernels.qdot)):
+        raise ValueError(f"the native matmul kernels run on the CPU, not on {device!r}")
+    formats = formats or {}
+    if weight_quant == "none":
+        kernels = replace(kernels, qdot=None)  # an unquantized model runs no integer-dot matmul
+    if kernels.qdot is None and weight_quant == "auto":
+        weight_quant = "int4"
     shapes = _expected_shapes(config)
     pending: dict[tuple[int, str], dict[int, tuple[Tensor, str | None]]] = {}
     parts: list[dict[str, Tensor | Linear]] = [{} for _ in range(config.num_layers)]
     globals_: dict[str, Tensor] = {}
 
-    pack = packed_gemm_available(device, dtype)
+    def linear(ws: list[tuple[Tensor, str | None]], quant: str) -> Linear:
+        return make_linear([(w.to(device), f) for w, f in ws], dtype=dtype, quant=quant, kernels=kernels)
 
-    def linear(ws: list[tuple[Tensor, str | None]]) -> Linear:
-        if qdot is not None and all(QDotKernel.packable(w) for w, _ in ws):
-            quant = _qdot_quant(weight_quant, [f for _, f in ws])
-            planes = Planes.cat([to_planes(w, quant, f) for w, f in ws])
-            return QDotLinear(planes, qdot, dtype=dtype, quant=quant)
-        fused = torch.cat([w for w, _ in ws]) if len(ws) > 1 else ws[0][0]
-        quant = "none" if qdot is not None else weight_quant  # a shape the qdot kernel cannot pack: dense, exact
-        return FastLinear(fused.to(device), dtype=dtype, quant=quant, pack=pack, vnni_backend=vnni_backend)
+    def layer_quant(ws: list[tuple[Tensor, str | None]]) -> str:
+        return _qdot_quant(weight_quant, [f for _, f in ws]) if kernels.qdot is not None else weight_quant
 
     for name, tensor in weights:
         if name.startswith("model.layers."):
@@ -360,7 +351,8 @@ def assemble_model(config: ModelConfig, weights: Iterable[tuple[str, Tensor]], *
         if len(group) == _PART_SIZES[part]:
             del pending[(layer, part)]
             ws = [group[s] for s in range(len(group))]
-            parts[layer][part] = ws[0][0].to(device=device, dtype=torch.float32) if part in _NORMS else linear(ws)
+            parts[layer][part] = (ws[0][0].to(device=device, dtype=torch.float32) if part in _NORMS
+                                  else linear(ws, layer_quant(ws)))
 
     missing = [f"layer {i}: {sorted(set(_PART_SIZES) - set(p))}" for i, p in enumerate(parts) if len(p) < 6]
     for required in ("model.embed_tokens.weight", "model.norm.weight"):
@@ -373,40 +365,40 @@ def assemble_model(config: ModelConfig, weights: Iterable[tuple[str, Tensor]], *
 
     embed_f32 = globals_["model.embed_tokens.weight"]
     embed = embed_f32.to(device=device, dtype=dtype)
-    head_f32 = embed_f32 if config.tie_word_embeddings else globals_["lm_head.weight"]
-    # a tied dense head shares the embedding's storage (FastLinear casts only when needed)
+    head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    head_f32, head_fmt = globals_[head_name], formats.get(head_name)
     # int4 stays off the head: GGUFs store it (token_embd) as Q8_0 or better, so 4-bit codes would lose
     # precision there (and flip borderline greedy tokens); an int4 model's head is Q8_0 instead (two int4 planes
-    # of the native kernel, exact for a Q8_0 head; the bf16 weight where that kernel does not run)
-    head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-    if qdot is not None and QDotKernel.packable(head_f32):
-        # the head keeps a 4-bit file's codes only when the file has them; else Q8_0 (int4 is never forced on it)
-        fmt = formats.get(head_name)
-        quant = "int4" if weight_quant in ("auto", "int4") and fmt in EXACT_FORMATS["int4"] else "int8"
-        lm_head = QDotLinear(to_planes(head_f32, quant, fmt), qdot, dtype=dtype, quant=quant)
+    # of the native kernel, exact for a Q8_0 head; the bf16 weight where that kernel does not run). On the qdot
+    # kernel the head keeps a 4-bit file's codes only when the file has them, else Q8_0; a head shape it cannot
+    # pack stays dense (exact).
+    if kernels.qdot is not None and QDotKernel.packable(*head_f32.shape):
+        head_quant = "int4" if weight_quant in ("auto", "int4") and head_fmt in EXACT_FORMATS["int4"] else "int8"
     elif weight_quant == "int4":  # from the float32 weights: the planes are exact only for the file's values
-        lm_head = FastLinear(head_f32.to(device), dtype=dtype, quant="q8_0", pack=pack, vnni_backend=vnni_backend)
-    elif weight_quant == "none":
-        lm_head = FastLinear(embed if config.tie_word_embeddings else head_f32.to(device), dtype=dtype,
-                             quant="none", pack=pack, vnni_backend=vnni_backend)
+        head_quant = "q8_0"
+    elif weight_quant == "none" or kernels.qdot is not None:
+        head_quant = "none"
     else:
-        lm_head = linear([(head_f32, formats.get(head_name))])
+        head_quant = weight_quant
+    # a tied dense head shares the embedding's storage (the dense form casts only when needed)
+    head = embed if config.tie_word_embeddings and head_quant == "none" else head_f32
+    lm_head = linear([(head, head_fmt)], head_quant)
     layers = [LlamaDecoderLayer(config, i, **p) for i, p in enumerate(parts)]
     return LlamaForCausalLM(config, embed_tokens=embed, layers=layers,
                             norm=globals_["model.norm.weight"].to(device=device, dtype=torch.float32), lm_head=lm_head)
 
 
 def load_model(path: str, *, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
-               weight_quant: str = "none", qdot: QDotKernel | None = None,
-               vnni_backend: str | None = None) -> LlamaForCausalLM:
+               weight_quant: str = "none", kernels: MatmulKernels | None = None) -> LlamaForCausalLM:
     """Load a GGUF file or an HF safetensors dir. ``weight_quant``: "none", "int8", "int4" or "auto" (see
-    :func:`assemble_model`, which also explains ``qdot`` and ``vnni_backend``). Raises ValueError for a bad option
-    or unsupported model, ModelNotFound for a missing path."""
+    :func:`assemble_model`, which also explains ``kernels``). Raises ValueError for a bad option or unsupported
+    model, ModelNotFound for a missing path."""
     if weight_quant not in (*WEIGHT_QUANTS, "auto"):
         raise ValueError(f"weight_quant must be one of {(*WEIGHT_QUANTS, 'auto')}, got {weight_quant!r}")
     if dtype not in COMPUTE_DTYPES:
         raise ValueError(f"dtype must be one of {COMPUTE_DTYPES}, got {dtype}")
-    torch_quant = qdot is None  # with qdot, the integer-dot kernel runs every quantized layer, not torch's
+    kernels = kernels if kernels is not None else MatmulKernels.available(device, dtype)
+    torch_quant = kernels.qdot is None  # with qdot, the integer-dot kernel runs every quantized layer, not torch's
     if torch_quant and weight_quant == "int8" and not int8_kernel_available(device, int8_compute_dtype(dtype)):
         raise ValueError(f"weight_quant='int8' needs torch.ops.aten._weight_int8pack_mm for {dtype} on {device!r}")
     if torch_quant and weight_quant in ("int4", "auto") and not int4_kernel_available(device, dtype):
@@ -416,7 +408,7 @@ def load_model(path: str, *, dtype: torch.dtype = torch.bfloat16, device: str = 
     start = time.perf_counter()
     config = read_model_config(path)
     model = assemble_model(config, iter_weights(path, config), dtype=dtype, device=device, weight_quant=weight_quant,
-                           qdot=qdot, formats=weight_formats(path), vnni_backend=vnni_backend)
+                           kernels=kernels, formats=weight_formats(path))
     logger.info("loaded %s (%d layers, %s, quant=%s) from %s in %.1f s", config.name, config.num_layers, dtype,
                 weight_quant, path, time.perf_counter() - start)
     return model
@@ -443,7 +435,7 @@ def random_weights(config: ModelConfig, *, seed: int = 0) -> dict[str, Tensor]:
 
 
 def build_random_model(config: ModelConfig, *, dtype: torch.dtype, device: str = "cpu", seed: int = 0,
-                       weight_quant: str = "none", qdot: QDotKernel | None = None) -> LlamaForCausalLM:
+                       weight_quant: str = "none", kernels: MatmulKernels | None = None) -> LlamaForCausalLM:
     """A model with random weights (tests, benchmarks); deterministic for a given seed."""
     return assemble_model(config, random_weights(config, seed=seed).items(), dtype=dtype, device=device,
-                          weight_quant=weight_quant, qdot=qdot)
+                          weight_quant=weight_quant, kernels=kernels)
