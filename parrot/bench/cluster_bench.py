@@ -47,7 +47,7 @@ from parrot.bench.baseline_client import BaselineClient, EmulatedLatency
 from parrot.bench.machine import describe_cpu
 from parrot.bench.report import format_conditions, format_table, ratio, save_bar_panels, save_json
 from parrot.engine.procs import free_port
-from parrot.frontend.client import Session, connect
+from parrot.frontend.client import connect
 from parrot.frontend.function import Output, SemanticFunction
 from parrot.frontend.variable import SemanticVariable
 
