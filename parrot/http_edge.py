@@ -11,6 +11,9 @@ Streams (:class:`EventStreamResponse`) -- one ``data: {json}\\n\\n`` event per p
 
     data: {...}\\n\\n  data: {...}\\n\\n  ...  [data: {"error": {...}}\\n\\n]  data: [DONE]\\n\\n
 
+or, with ``named=True`` (OpenAI's Responses API), each event preceded by ``event: <its "type">`` (``error`` for
+an error body) and no ``[DONE]``.
+
 Events are ASCII-only JSON (non-ASCII escaped), so no line splitter (httpx's splits on U+2028 and friends)
 can cut one in two. The response watches ``receive()`` for ``http.disconnect`` while it streams: a client
 that goes away cancels the stream at once (not at the next write), and the payload iterator is closed, which
@@ -106,16 +109,23 @@ def encode_event(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
+def encode_named_event(payload: dict) -> bytes:
+    """``event: <type>`` then the data line; an error body (no ``type``) is an ``error`` event."""
+    return b"event: " + str(payload.get("type", "error")).encode() + b"\n" + encode_event(payload)
+
+
 class EventStreamResponse(StreamingResponse):
     """An SSE stream of ``events`` (JSON-able dicts) that stops at once when the client disconnects.
 
     ``events`` is always closed (``aclose``) when the response ends, however it ends; ``disconnected`` tells
-    afterwards whether the client went away first."""
+    afterwards whether the client went away first. ``named``: Responses-API framing (see the module docstring)."""
 
-    def __init__(self, events: AsyncIterator[dict]) -> None:
+    def __init__(self, events: AsyncIterator[dict], *, named: bool = False) -> None:
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._events = events
+        self._encode = encode_named_event if named else encode_event
+        self._done = b"" if named else DONE
         self.disconnected = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -135,15 +145,15 @@ class EventStreamResponse(StreamingResponse):
             try:
                 try:
                     async for payload in self._events:
-                        await send({"type": "http.response.body", "body": encode_event(payload), "more_body": True})
+                        await send({"type": "http.response.body", "body": self._encode(payload), "more_body": True})
                 except ParrotError as e:
                     logger.info("stream failed: %s: %s", e.code, e.message)
-                    await send({"type": "http.response.body", "body": encode_event(e.to_body()), "more_body": True})
+                    await send({"type": "http.response.body", "body": self._encode(e.to_body()), "more_body": True})
                 except Exception as e:  # a bug: log it, tell the client, end the stream cleanly
                     logger.exception("stream crashed")
-                    await send({"type": "http.response.body", "body": encode_event(internal_error_body(e)),
+                    await send({"type": "http.response.body", "body": self._encode(internal_error_body(e)),
                                 "more_body": True})
-                await send({"type": "http.response.body", "body": DONE, "more_body": True})
+                await send({"type": "http.response.body", "body": self._done, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             except OSError:
                 self.disconnected = True  # the socket is gone

@@ -143,8 +143,11 @@ def test_context_length_and_unknown_model_errors(oai):
         oai.completions.create(model="gpt-nope", prompt="x")
     assert e.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as e:
-        oai.completions.create(model="fake-model", prompt="x", logprobs=2)
-    assert e.value.code == "invalid_request" and e.value.param == "logprobs"
+        oai.completions.create(model="fake-model", prompt="x", logprobs=21)
+    assert e.value.code == "bad_sampling_params" and e.value.param == "logprobs"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model="fake-model", prompt="x", suffix="y")
+    assert e.value.code == "invalid_request" and e.value.param == "suffix"
 
 
 def test_stream_client_disconnect_frees_context(server):
@@ -168,3 +171,65 @@ def test_stream_client_disconnect_frees_context(server):
         assert ctx in engine.freed and ctx not in engine.contexts
     finally:
         engine.token_delay_s = 0.0
+
+
+def test_sdk_parses_completion_logprobs_with_echo_and_no_generation(oai):
+    r = oai.completions.create(model="fake-model", prompt="score me", logprobs=2, echo=True, max_tokens=0)
+    choice = r.choices[0]
+    assert choice.text == "score me" and choice.finish_reason == "length"
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    assert len(choice.logprobs.tokens) == r.usage.prompt_tokens == 9  # BOS + 8 bytes
+    assert all(isinstance(x, float) for x in choice.logprobs.token_logprobs[1:])
+    assert all(2 <= len(top) <= 3 for top in choice.logprobs.top_logprobs[1:])
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_sdk_parses_chat_logprobs(oai):
+    r = oai.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                    temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert "".join(p.token for p in content) == r.choices[0].message.content and len(content) == 6
+    assert all(len(p.top_logprobs) == 3 and p.bytes == list(p.token.encode()) for p in content)
+    chunks = list(oai.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=6, temperature=0, logprobs=True, top_logprobs=3,
+                                              stream=True))
+    streamed = [p for c in chunks for ch in c.choices if ch.logprobs for p in ch.logprobs.content]
+    assert [(p.token, p.logprob) for p in streamed] == [(p.token, p.logprob) for p in content]
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}], top_logprobs=2)
+    assert e.value.param == "top_logprobs"
+
+
+def test_sdk_responses_plain_stream_and_previous_response_id(oai):
+    first = oai.responses.create(model="fake-model", input="Tell me about parrots.", instructions="Be brief.",
+                                 temperature=0)
+    assert first.status == "completed" and first.output_text.endswith(TAIL)
+    assert first.usage.input_tokens > 0 and first.usage.input_tokens_details.cached_tokens == 0
+
+    events = list(oai.responses.create(model="fake-model", input="And crows?", previous_response_id=first.id,
+                                       instructions="Be brief.", temperature=0, stream=True))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    second = events[-1].response
+    assert second.output_text == deltas and second.previous_response_id == first.id
+    assert second.usage.input_tokens_details.cached_tokens > 0  # the first turn, from the prefix cache
+
+    with oai.responses.stream(model="fake-model", input="And finches?", previous_response_id=second.id,
+                              temperature=0) as stream:
+        texts = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert final.output_text == "".join(texts) and final.status == "completed"
+    # at max_output_tokens the stream ends with response.incomplete, as OpenAI's does (the SDK's stream helper
+    # then has no final response: get_final_response() waits for response.completed only)
+    events = list(oai.responses.create(model="fake-model", input="x", temperature=0, max_output_tokens=4,
+                                       stream=True))
+    assert events[-1].type == "response.incomplete" and events[-1].response.usage.output_tokens == 4
+    assert events[-1].response.incomplete_details.reason == "max_output_tokens"
+
+    assert oai.responses.retrieve(second.id).output_text == second.output_text
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.responses.create(model="fake-model", input="x", previous_response_id="resp_unknown")
+    assert e.value.code == "previous_response_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.responses.create(model="fake-model", input="x", tools=[{"type": "web_search"}])
+    assert e.value.param == "tools"

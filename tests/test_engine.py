@@ -175,7 +175,7 @@ def test_streaming_chunks_add_up(engine):
     run(engine.fill(list(range(500, 530)), "st"))
     chunks = []
     fut = engine.generate(SamplingParams(max_tokens=10, ignore_eos=True), "st",
-                          on_chunk=lambda ids, text, fin: chunks.append((ids, text, fin)))
+                          on_chunk=lambda ch: chunks.append((ch.token_ids, ch.text, ch.finish_reason)))
     res = run(fut)
     assert [t for ids, _, _ in chunks for t in ids] == list(res.token_ids)
     assert "".join(t for _, t, _ in chunks) == res.text

@@ -71,7 +71,7 @@ def _generate(engine: SyncEngine, sp: SamplingParams, ctx: str = "c"):
     """Fill PROMPT into ``ctx``, generate after it (queued behind the fill), run to the end."""
     chunks = []
     fill = engine.fill(PROMPT, ctx)
-    fut = engine.generate(sp, ctx, on_chunk=lambda ids, text, fin: chunks.append((tuple(ids), text, fin)))
+    fut = engine.generate(sp, ctx, on_chunk=lambda ch: chunks.append((ch.token_ids, ch.text, ch.finish_reason)))
     engine.run()
     assert fill.result(timeout=0).num_filled == len(PROMPT)
     return fut.result(timeout=0), chunks

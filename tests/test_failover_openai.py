@@ -13,7 +13,8 @@ import pytest
 
 from parrot.common.errors import EngineUnavailable
 from parrot.manager import EngineRegistry, EngineState, Manager, ManagerConfig
-from parrot.manager.completions import ChoiceDelta, ChoiceSpec, CompletionService, CompletionSpec
+from parrot.manager.completion_types import ChoiceDelta, ChoiceSpec, CompletionSpec
+from parrot.manager.completions import CompletionService
 from engine_procs import TINY_ENGINE, wait_until
 from fakes import TAIL, FakeEngine, UnreachableEngine
 

@@ -9,12 +9,12 @@ closes them.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 
-from parrot.api import engine_routes, openai_routes, parrot_routes
+from parrot.api import engine_routes, openai_routes, parrot_routes, tokenize_routes
 from parrot.api.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from parrot.api.schemas import HealthResponse
 from parrot.api.settings import ServerSettings
@@ -24,21 +24,25 @@ from parrot.manager.completions import CompletionService
 from parrot.manager.dispatcher import Policy
 from parrot.manager.engine_registry import EngineRegistry
 from parrot.manager.manager import Manager
+from parrot.manager.responses_store import ResponsesService, ResponseStore
 
 
 def create_app(settings: ServerSettings | None = None, engines: Sequence[EngineClient] = (), *,
-               policy: Policy | None = None) -> FastAPI:
+               policy: Policy | None = None, clock: Callable[[], float] = time.time) -> FastAPI:
+    """``clock``: the manager's one clock (session TTLs, stored responses' TTL); tests pass a fake one."""
     settings = settings or ServerSettings()
     engine_list = list(engines)
     EngineRegistry(engine_list)  # fail fast on nameless or duplicate engines, before serving
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        manager = Manager(EngineRegistry(engine_list), policy=policy, config=settings.manager_config())
+        manager = Manager(EngineRegistry(engine_list), policy=policy, config=settings.manager_config(), clock=clock)
         await manager.start()
         app.state.manager = manager
         app.state.completions = CompletionService(manager.dispatcher, max_n=settings.max_n,
                                                    max_attempts=settings.max_attempts)
+        app.state.responses = ResponsesService(app.state.completions, ResponseStore(
+            ttl_s=settings.responses_ttl_s, max_entries=settings.max_stored_responses, clock=manager.clock))
         app.state.started_at = time.time()
         try:
             yield
@@ -52,6 +56,7 @@ def create_app(settings: ServerSettings | None = None, engines: Sequence[EngineC
     app.include_router(parrot_routes.router)
     app.include_router(openai_routes.router)
     app.include_router(engine_routes.router)
+    app.include_router(tokenize_routes.router)
 
     @app.get("/health", response_model=HealthResponse, tags=["ops"])
     async def health(request: Request) -> HealthResponse:

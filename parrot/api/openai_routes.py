@@ -1,22 +1,29 @@
-"""OpenAI-compatible routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (stream or not).
+"""OpenAI-compatible routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (stream or not) and
+the Responses API (``/v1/responses``: create, stream, get, delete).
 
 Routes only translate: the request becomes the completion service's plain spec (:mod:`parrot.api.openai_shapes`),
 the service plans and runs it (:mod:`parrot.manager.completions`), the typed result is shaped back into OpenAI
 JSON or an SSE stream (:class:`parrot.http_edge.EventStreamResponse`, which stops the work at once when the
 client disconnects). Planning (validation, tokenization, window check) happens before the response starts, so
-bad input is a proper 4xx even for ``stream: true``.
+bad input is a proper 4xx even for ``stream: true``. Stored responses belong to the caller's API key (a hash
+of the bearer the key check let through; ``anonymous`` when the server has no key).
 """
 
 from __future__ import annotations
+
+import hashlib
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from parrot.api import openai_shapes as shapes
-from parrot.api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from parrot.api import responses_shapes
+from parrot.api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, ResponsesRequest
 from parrot.http_edge import EventStreamResponse
-from parrot.manager.completions import CompletionPlan, CompletionService
+from parrot.manager.completion_types import CompletionPlan
+from parrot.manager.completions import CompletionService
 from parrot.manager.manager import Manager
+from parrot.manager.responses_store import ResponsesService
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -52,3 +59,36 @@ async def _respond(service: CompletionService, plan: CompletionPlan,
         return EventStreamResponse(shapes.stream_chunks(plan, service.stream(plan),
                                                         with_usage=shapes.include_usage(body)))
     return JSONResponse(shapes.completion_body(plan, await service.complete(plan)))
+
+
+# ---- Responses API --------------------------------------------------------------------------------------------
+def _responses(request: Request) -> ResponsesService:
+    return request.app.state.responses
+
+
+def _owner(request: Request) -> str:
+    """Who a stored response belongs to: the API key presented (checked by the middleware), hashed."""
+    if not request.app.state.settings.api_key:
+        return "anonymous"
+    return hashlib.sha256(request.headers.get("authorization", "").encode()).hexdigest()[:32]
+
+
+@router.post("/responses")
+async def create_response(body: ResponsesRequest, request: Request) -> Response:
+    service = _responses(request)
+    plan = await service.plan(responses_shapes.response_spec(body), _owner(request))
+    if body.stream:
+        return EventStreamResponse(responses_shapes.response_events(plan, service.stream(plan)), named=True)
+    return JSONResponse(responses_shapes.response_body(plan, await service.complete(plan)))
+
+
+@router.get("/responses/{response_id}")
+async def get_response(response_id: str, request: Request) -> dict:
+    result = _responses(request).get(_owner(request), response_id)
+    return responses_shapes.response_body(result.plan, result)
+
+
+@router.delete("/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> dict:
+    _responses(request).delete(_owner(request), response_id)
+    return responses_shapes.deleted_body(response_id)

@@ -106,9 +106,9 @@ class _SamplingRequest(_Strict):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0, description="0 only with echo (score the prompt, generate nothing)")
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, description="0..20: logprob of each token plus this many alternatives")
     best_of: int | None = None
     suffix: str | None = None
 
@@ -158,3 +158,61 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ---- OpenAI Responses API (text in, text out) ------------------------------------------------------------------
+class ResponsesRequest(_Strict):
+    """``POST /v1/responses``. The fields after ``metadata`` are accepted only at values that ask for nothing
+    this server lacks (400 naming the field otherwise); unknown fields are a 400 too."""
+
+    model: str
+    input: str | list[dict[str, Any]] = Field(description="text, or message items (input_text / output_text parts)")
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, description="default 1.0 (OpenAI)")
+    top_p: float | None = None
+    stream: bool = False
+    previous_response_id: str | None = None
+    store: bool = True
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    stream_options: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_tool_calls: int | None = None
+    reasoning: dict[str, Any] | None = None
+    background: bool | None = None
+    include: list[str] | None = None
+    text: dict[str, Any] | None = None
+    truncation: str | None = None
+    top_logprobs: int | None = None
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+    service_tier: str | None = None
+
+
+# ---- tokenizer endpoints (vLLM's shapes) ----------------------------------------------------------------------
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = Field(True, description="add BOS when the model adds one (as completions do)")
+    add_generation_prompt: bool = Field(True, description="messages: end with the assistant turn's opening")
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

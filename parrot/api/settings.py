@@ -22,6 +22,10 @@ class ServerSettings(ManagerConfig, BaseSettings):
     api_key: str | None = Field(None, min_length=1, description="require 'Authorization: Bearer <key>'")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     max_n: int = Field(16, ge=1, le=128, description="largest 'n' (choices) an OpenAI request may ask for")
+    responses_ttl_s: float = Field(3600.0, gt=0, description="how long a stored /v1/responses answer can be continued "
+                                   "(previous_response_id) or fetched")
+    max_stored_responses: int = Field(1024, ge=1, description="stored /v1/responses answers kept (least recently "
+                                      "used evicted first)")
     engines: int = Field(0, ge=0, le=64, description="parrot serve: start this many `parrot engine` processes that "
                          "register here (0 = one engine inside the server process)")
 

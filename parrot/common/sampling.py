@@ -9,6 +9,29 @@ from dataclasses import dataclass
 from parrot.common.errors import BadSamplingParams
 
 
+MAX_LOGPROBS = 20  # most alternatives per position a request may ask for (OpenAI's top_logprobs limit)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token with its log probability: ``token`` is its own text (``token_bytes`` decoded, errors replaced:
+    a token holding part of a UTF-8 character shows U+FFFD there), ``token_bytes`` its raw bytes."""
+
+    token_id: int
+    token: str
+    token_bytes: bytes
+    logprob: float
+
+
+@dataclass(frozen=True)
+class PositionLogprobs:
+    """Logprobs at one position: the token that is there (chosen by the sampler, or the prompt's) and the ``k``
+    most likely tokens at that position, most likely first (``k`` = the request's ``logprobs``)."""
+
+    chosen: TokenLogprob
+    top: tuple[TokenLogprob, ...] = ()
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one Generate call samples and when it stops.
@@ -32,6 +55,9 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     include_stop_str_in_output: bool = False
+    # report per generated token its logprob and the ``logprobs`` most likely alternatives (0 = the chosen token's
+    # only; None = off), from the logits the sampler used after penalties, before temperature / top-k / top-p
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # normalise list inputs to tuples so the object stays hashable / immutable
@@ -69,6 +95,9 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be non-negative integers")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

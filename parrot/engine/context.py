@@ -14,6 +14,10 @@ or evicted) keeps its tokens and is recomputed when next used.
 The KV side (``block_table``, ``num_computed``, ``num_registered``; ``kv_state`` is a frozen snapshot of the
 three) is read-only here: only :class:`~parrot.engine.kv_cache.manager.KVManager` changes it. An op's status
 moves only along :data:`OP_TRANSITIONS`.
+
+Logprobs, when an op asks for them, are kept as the runner computed them (:class:`RawLogprobs`: ids and floats)
+and given text only when they leave the engine: a Generate's one per sampled token (``Op.logprobs``), a Fill's
+one per filled token (``Op.prompt_lp``; ``None`` until computed or served by the prompt-logprob cache).
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from parrot.common.sampling import FinishReason, SamplingParams
+from parrot.common.sampling import FinishReason, PositionLogprobs, SamplingParams, TokenLogprob
+from parrot.engine.interface import GenerateChunk
 from parrot.engine.kv_cache.block_pool import chain_hashes
 from parrot.engine.kv_cache.manager import ContextKV
 
@@ -59,6 +64,45 @@ class IllegalOpTransition(AssertionError):
 
 
 _op_seq = itertools.count()
+
+
+@dataclass(frozen=True, slots=True)
+class RawLogprobs:
+    """Logprobs at one position as the runner computes them (fp32 log_softmax): the token that is there and the
+    ``k`` most likely tokens, most likely first (``top_ids[i]`` has ``top_logprobs[i]``). ``k`` is the number asked
+    for; the top is shorter only if the vocabulary is."""
+
+    token_id: int
+    logprob: float
+    k: int
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+    def truncated(self, k: int) -> "RawLogprobs":
+        """The same position with only the ``k <= self.k`` most likely alternatives."""
+        if k == self.k:
+            return self
+        return RawLogprobs(self.token_id, self.logprob, k, self.top_ids[:k], self.top_logprobs[:k])
+
+
+class LogprobLabels:
+    """Turns the runner's :class:`RawLogprobs` (ids and floats) into the API's records with each token's text and
+    bytes (``tokenizer.token_to_bytes``, decoded with errors replaced), cached per token id."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._texts: dict[int, tuple[str, bytes]] = {}
+
+    def position(self, raw: RawLogprobs) -> PositionLogprobs:
+        return PositionLogprobs(self.token(raw.token_id, raw.logprob),
+                                tuple(map(self.token, raw.top_ids, raw.top_logprobs)))
+
+    def token(self, token_id: int, logprob: float) -> TokenLogprob:
+        text = self._texts.get(token_id)
+        if text is None:
+            raw = self._tokenizer.token_to_bytes(token_id)
+            text = self._texts[token_id] = (raw.decode("utf-8", errors="replace"), raw)
+        return TokenLogprob(token_id, text[0], text[1], logprob)
 
 
 @dataclass(eq=False)
@@ -120,6 +164,7 @@ class Op:
     ctx: Context
     new_tokens: list[int] = field(default_factory=list)  # FILL: tokens to append when the op starts
     sampling: SamplingParams | None = None  # GENERATE only
+    prompt_logprobs: int | None = None  # FILL: report per filled token its logprob and this many alternatives
     arrival: float = field(default_factory=time.monotonic)
     seq_no: int = field(default_factory=lambda: next(_op_seq))
     _status: OpStatus = field(default=OpStatus.QUEUED, init=False)
@@ -134,7 +179,10 @@ class Op:
     decoder: Any = None  # IncrementalDecoder (GENERATE)
     stopper: Any = None  # StopChecker (GENERATE)
     generator: Any = None  # torch.Generator for seeded sampling (GENERATE), created by the sampler
-    on_chunk: Callable[[list[int], str, FinishReason | None], None] | None = None
+    # FILL with prompt_logprobs: one entry per filled token (position prompt_len + i), None until known
+    prompt_lp: list[RawLogprobs | None] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)  # GENERATE with sampling.logprobs: per token
+    on_chunk: Callable[[GenerateChunk], None] | None = None  # GENERATE: each streamed increment
     on_done: Callable[["Op", BaseException | None], None] | None = None
 
     @property

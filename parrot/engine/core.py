@@ -24,9 +24,11 @@ import abc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 from parrot.common.errors import (
+    BadSamplingParams,
     ContextExists,
     ContextLengthExceeded,
     EngineError,
@@ -34,17 +36,19 @@ from parrot.common.errors import (
     ParrotError,
     UnknownContext,
 )
-from parrot.common.sampling import FinishReason, SamplingParams
+from parrot.common.sampling import MAX_LOGPROBS, FinishReason, PositionLogprobs, SamplingParams
 from parrot.common.step_cost import StepStats
-from parrot.engine.context import Context, Op, OpKind, OpStatus
-from parrot.engine.interface import EngineStatus, FillResult, GenerateResult
+from parrot.engine.context import Context, LogprobLabels, Op, OpKind, OpStatus, RawLogprobs
+from parrot.engine.interface import EngineStatus, FillResult, GenerateChunk, GenerateResult
 from parrot.engine.kv_cache.block_pool import BlockPool
+from parrot.engine.kv_cache.prompt_logprobs import (DEFAULT_CAPACITY_BLOCKS, PromptLogprobCache, is_known, match_limit,
+                                                    wants_prompt_logprobs)
 from parrot.engine.scheduler.scheduler import BatchPlan, Scheduler, TooLargeForPool
 from parrot.engine.stopping import StopChecker
 
 log = logging.getLogger(__name__)
 
-ChunkCallback = Callable[[list[int], str, FinishReason | None], None]
+ChunkCallback = Callable[[GenerateChunk], None]
 Command = Callable[[], None]
 
 
@@ -67,6 +71,10 @@ class StepOutput:
     # (a tensor in the builtin engine; stored in Context.last_hidden so a later Generate can sample from it)
     last_hidden: tuple[tuple[Context, object], ...]
     sampled: tuple[tuple[Op, int], ...]  # (generate op, new token)
+    # (generate op, logprobs of its new token) for the sampled ops whose sampling asks for logprobs
+    token_logprobs: tuple[tuple[Op, RawLogprobs], ...] = ()
+    # (prompt-logprob fill, position, logprobs of the token there) for the positions computed this step
+    prompt_logprobs: tuple[tuple[Op, int, RawLogprobs], ...] = ()
 
 
 class StepRunner(Protocol):
@@ -82,15 +90,17 @@ class EngineCore(abc.ABC):
 
     def __init__(self, *, name: str, model_name: str, runner: StepRunner, pool: BlockPool, scheduler: Scheduler,
                  tokenizer, max_model_len: int, clock: Callable[[], float], cached_status: bool,
-                 numerics: dict | None = None) -> None:
+                 numerics: dict | None = None, computes_logits: bool = True) -> None:
         """``cached_status``: callers run on other threads than the owner, so :meth:`status` answers the snapshot
         the owner takes after each turn and each status-changing command; otherwise it snapshots on call.
         ``numerics``: how the runner computes (NumericsPlan.to_dict()), reported in status and model info.
-        ``pool`` must be the one ``scheduler`` plans over (its KV manager's)."""
+        ``pool`` must be the one ``scheduler`` plans over (its KV manager's). ``computes_logits``: False for a runner
+        without logits (the simulator's): then a request for logprobs raises BadSamplingParams naming the field."""
         if scheduler.kv.pool is not pool:
             raise ValueError("pool: the scheduler plans over another block pool")
         self.name = name
         self.numerics = dict(numerics or {})
+        self.computes_logits = computes_logits
         self.model_name = model_name
         self.runner = runner
         self.pool = pool
@@ -101,6 +111,11 @@ class EngineCore(abc.ABC):
         self.clock = clock  # op arrival (FCFS order), context LRU, first-token and latency times
         self.eos_token_ids = tuple(tokenizer.eos_token_ids)
         self.contexts: dict[str, Context] = {}
+        # prompt logprobs of computed blocks, so prompt-logprob fills keep the prefix cache (kv_cache.prompt_logprobs)
+        self.prompt_lp_cache = PromptLogprobCache(
+            pool.block_size, capacity_blocks=DEFAULT_CAPACITY_BLOCKS if pool.enable_prefix_cache else 0)
+        self.kv.set_match_limit(partial(match_limit, block_size=pool.block_size))
+        self._labels = LogprobLabels(tokenizer)  # runner ids + floats -> records with each token's text
         self.num_steps = 0
         self.num_tokens_computed = 0
         # iteration time vs batch (reported in status for the global scheduler's cost-aware placement): each
@@ -125,17 +140,28 @@ class EngineCore(abc.ABC):
         Raises EngineError if the engine is shut down."""
 
     # ---- public API (any caller of the owner) ----------------------------------------------------------------
-    def fill(self, token_ids: list[int], context_id: str, parent_context_id: str | None = None) -> ResultFuture:
+    def fill(self, token_ids: list[int], context_id: str, parent_context_id: str | None = None, *,
+             prompt_logprobs: int | None = None) -> ResultFuture:
+        """See EngineClient.fill; raises BadSamplingParams for a ``prompt_logprobs`` outside [0, MAX_LOGPROBS]."""
         toks = self._check_tokens(token_ids)
+        if prompt_logprobs is not None:
+            if isinstance(prompt_logprobs, bool) or not isinstance(prompt_logprobs, int) \
+                    or not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+                raise BadSamplingParams(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or null, got "
+                                        f"{prompt_logprobs!r}", param="prompt_logprobs")
+            self._check_logits("prompt_logprobs")
 
         def cmd(fut: ResultFuture) -> None:
             ctx = self._get_or_fork(context_id, parent_context_id)
-            self._enqueue(self._new_op(fut, OpKind.FILL, ctx, new_tokens=toks))
+            self._enqueue(self._new_op(fut, OpKind.FILL, ctx, new_tokens=toks, prompt_logprobs=prompt_logprobs))
 
         return self._command(cmd)
 
     def generate(self, sampling: SamplingParams, context_id: str, parent_context_id: str | None = None,
                  on_chunk: ChunkCallback | None = None) -> ResultFuture:
+        if sampling.logprobs is not None:
+            self._check_logits("logprobs")
+
         def cmd(fut: ResultFuture) -> None:
             ctx = self._get_or_fork(context_id, parent_context_id)
             self._enqueue(self._new_op(fut, OpKind.GENERATE, ctx, sampling=sampling, on_chunk=on_chunk))
@@ -210,6 +236,11 @@ class EngineCore(abc.ABC):
         self._submit(guarded)
         return fut
 
+    def _check_logits(self, param: str) -> None:
+        if not self.computes_logits:
+            raise BadSamplingParams(f"engine {self.name!r} computes no logits (a simulated engine): {param} is not "
+                                    "available", param=param)
+
     def _check_tokens(self, token_ids: list[int]) -> list[int]:
         vocab = self.tokenizer.vocab_size
         toks = list(token_ids)
@@ -270,6 +301,10 @@ class EngineCore(abc.ABC):
                 return
             op.num_cached = 0
             ctx.tokens.extend(op.new_tokens)
+            if op.new_tokens:
+                ctx.last_hidden = None  # it was the previous last token's
+            if op.prompt_logprobs is not None:
+                self._start_prompt_logprobs(op)
             if ctx.num_uncomputed == 0:  # nothing to compute (empty fill)
                 self._complete(op, None)
                 return
@@ -285,6 +320,16 @@ class EngineCore(abc.ABC):
             op.decoder = self.tokenizer.incremental_decoder()
             op.stopper = StopChecker(op.sampling) if op.sampling.stop else None  # None: the text is the pieces
         self.scheduler.add(op)
+
+    def _start_prompt_logprobs(self, op: Op) -> None:
+        """A prompt-logprob fill: take what the cache knows; if the context was computed up to the fill, recompute
+        its last token (the logits there predict the first filled token), unless the cache knows that one."""
+        ctx, start = op.ctx, op.prompt_len
+        op.prompt_lp = [None] * len(op.new_tokens)
+        self.prompt_lp_cache.serve(op)
+        if (op.new_tokens and start >= 1 and not is_known(op, start) and ctx.num_computed == start
+                and len(ctx.block_table) == self.pool.blocks_for(start)):
+            self.kv.uncompute_tail(ctx)
 
     def _complete(self, op: Op, err: BaseException | None, *, start_next: bool = True) -> None:
         op.set_status(OpStatus.FAILED if err is not None else OpStatus.FINISHED)
@@ -341,17 +386,22 @@ class EngineCore(abc.ABC):
             self.num_tokens_computed += n
         for ctx, h in out.last_hidden:
             ctx.last_hidden = h
+        for op, pos, raw in out.prompt_logprobs:
+            op.prompt_lp[pos - op.prompt_len] = raw
         now = self.clock()
         for op in list(self.scheduler.running):
             if op.kind is OpKind.FILL and op.ctx.num_uncomputed == 0:
                 self.scheduler.remove(op)
+                if wants_prompt_logprobs(op):
+                    self.prompt_lp_cache.store(op)
                 self._complete(op, None)
+        token_lps = {id(op): raw for op, raw in out.token_logprobs}
         for op, tok in out.sampled:
             if op.first_token_time is None:
                 op.first_token_time = now
-            self._on_token(op, tok)
+            self._on_token(op, tok, token_lps.get(id(op)))
 
-    def _on_token(self, op: Op, tok: int) -> None:
+    def _on_token(self, op: Op, tok: int, raw: RawLogprobs | None = None) -> None:
         ctx = op.ctx
         sp = op.sampling
         op.output_ids.append(tok)
@@ -375,9 +425,15 @@ class EngineCore(abc.ABC):
             if finish is not None:
                 emit_text += stopper.flush()  # held-back text that did not become a stop string
             op.output_text = stopper.text
+        lps: tuple[PositionLogprobs, ...] = ()
+        if sp.logprobs is not None:
+            if raw is None:
+                raise AssertionError(f"op {op.seq_no}: the runner computed no logprobs for a token that asked")
+            lps = (self._labels.position(raw),)
+            op.logprobs.extend(lps)
         if op.on_chunk is not None:
             try:
-                op.on_chunk([tok], emit_text, finish)
+                op.on_chunk(GenerateChunk((tok,), emit_text, finish, lps))
             except Exception:
                 log.exception("stream callback failed")
         if finish is not None:
@@ -399,13 +455,21 @@ class EngineCore(abc.ABC):
         if err is not None:
             fut.set_exception(err)
         elif op.kind is OpKind.FILL:
-            fut.set_result(FillResult(op.ctx.id, len(op.new_tokens), len(op.ctx.tokens), op.num_cached))
+            prompt_lps: tuple[PositionLogprobs | None, ...] = ()
+            if op.prompt_logprobs is not None:
+                missing = [op.prompt_len + i for i, r in enumerate(op.prompt_lp) if r is None and op.prompt_len + i]
+                if missing:  # a bug: the walk of kv_cache.prompt_logprobs skipped logits somewhere
+                    fut.set_exception(EngineError(f"internal engine error: no prompt logprobs at positions "
+                                                  f"{missing[:8]} of context {op.ctx.id!r}"))
+                    return
+                prompt_lps = tuple(None if r is None else self._labels.position(r) for r in op.prompt_lp)
+            fut.set_result(FillResult(op.ctx.id, len(op.new_tokens), len(op.ctx.tokens), op.num_cached, prompt_lps))
         else:
             now = self.clock()
             ttft = (op.first_token_time - op.arrival) if op.first_token_time else now - op.arrival
             fut.set_result(GenerateResult(op.ctx.id, tuple(op.output_ids), op.output_text,
                                           op.finish_reason or FinishReason.ABORT, op.prompt_len, ttft,
-                                          now - op.arrival))
+                                          now - op.arrival, tuple(op.logprobs)))
 
     def refresh_status(self) -> None:
         """Owner: take the snapshot :meth:`status` answers (with ``cached_status``)."""
@@ -424,8 +488,11 @@ class EngineCore(abc.ABC):
             num_contexts=len(self.contexts), num_preempted_total=sch.num_preemptions,
             extra={"steps": self.num_steps, "tokens_computed": self.num_tokens_computed,
                    "prefix_cache_hit_blocks": self.pool.num_hit_blocks,
+                   "prompt_logprob_cache_hits": self.prompt_lp_cache.num_hit_positions,
                    "shared_prefix_decode_rows": self.runner.num_shared_prefix_rows,
                    "pinned_blocks": self.pool.num_pinned, "kv_blocks_evicted": self.pool.num_evicted,
+                   # eviction notices for the global scheduler's prefix tree (Preble §4.3; parrot.manager.policies.e2)
+                   "kv_evicted": {"seq": self.pool.num_evicted, "hashes": list(self.pool.evicted_log)},
                    "token_cap": sch.token_cap, "step_stats": self.step_stats.to_wire(),
                    **({"numerics": self.numerics} if self.numerics else {})},
         )

@@ -44,8 +44,11 @@ class HTTPEngineClient(EngineClient):
             raise error_from_body(r.status_code, body)
         return body
 
-    async def fill(self, token_ids: list[int], context_id: str, parent_context_id: str | None = None) -> FillResult:
+    async def fill(self, token_ids: list[int], context_id: str, parent_context_id: str | None = None, *,
+                   prompt_logprobs: int | None = None) -> FillResult:
         body = {"token_ids": list(token_ids), "context_id": context_id, "parent_context_id": parent_context_id}
+        if prompt_logprobs is not None:  # absent when off: an engine server without the field still serves fills
+            body["prompt_logprobs"] = prompt_logprobs
         return wire.fill_result(await self._post("/engine/v1/fill", body))
 
     async def generate(

@@ -15,7 +15,7 @@ import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from parrot.common.sampling import FinishReason, SamplingParams
+from parrot.common.sampling import FinishReason, PositionLogprobs, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,9 @@ class FillResult:
     num_filled: int  # tokens appended by this call
     context_len: int  # total tokens in the context (inherited prefix included)
     num_cached: int = 0  # of the filled tokens, how many were served from the prefix cache
+    # with ``prompt_logprobs=k``: one entry per filled token (None for the first token of a context: nothing
+    # predicts it); empty otherwise
+    prompt_logprobs: tuple[PositionLogprobs | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class GenerateChunk:
     token_ids: tuple[int, ...]
     text: str
     finish_reason: FinishReason | None = None
+    logprobs: tuple[PositionLogprobs, ...] = ()  # one per token of token_ids when sampling.logprobs is set
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,7 @@ class GenerateResult:
     prompt_len: int  # context length before generation
     ttft_s: float = 0.0  # queueing + first token latency inside the engine
     latency_s: float = 0.0
+    logprobs: tuple[PositionLogprobs, ...] = ()  # one per token of token_ids when sampling.logprobs is set
 
 
 @dataclass(frozen=True)
@@ -78,8 +83,13 @@ class EngineClient(abc.ABC):
     name: str
 
     @abc.abstractmethod
-    async def fill(self, token_ids: list[int], context_id: str, parent_context_id: str | None = None) -> FillResult:
-        """Append ``token_ids`` to ``context_id`` (created as a fork of ``parent_context_id`` if new)."""
+    async def fill(self, token_ids: list[int], context_id: str, parent_context_id: str | None = None, *,
+                   prompt_logprobs: int | None = None) -> FillResult:
+        """Append ``token_ids`` to ``context_id`` (created as a fork of ``parent_context_id`` if new).
+
+        ``prompt_logprobs=k`` (0..MAX_LOGPROBS) also reports, per filled token, its logprob given everything
+        before it and the ``k`` most likely tokens there (``FillResult.prompt_logprobs``); an engine that cannot
+        raises BadSamplingParams naming ``prompt_logprobs``."""
 
     @abc.abstractmethod
     async def generate(

@@ -9,7 +9,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from parrot.common.errors import ParrotError
-from parrot.common.sampling import FinishReason, SamplingParams
+from parrot.common.sampling import SamplingParams
 from parrot.engine.core import EngineCore
 from parrot.engine.interface import (
     EngineClient,
@@ -37,8 +37,10 @@ class LocalEngineClient(EngineClient):
             add_bos=bool(getattr(tok, "add_bos", False)), numerics=dict(engine.numerics),
         )
 
-    async def fill(self, token_ids: list[int], context_id: str, parent_context_id: str | None = None) -> FillResult:
-        return await asyncio.wrap_future(self.engine.fill(token_ids, context_id, parent_context_id))
+    async def fill(self, token_ids: list[int], context_id: str, parent_context_id: str | None = None, *,
+                   prompt_logprobs: int | None = None) -> FillResult:
+        return await asyncio.wrap_future(self.engine.fill(token_ids, context_id, parent_context_id,
+                                                          prompt_logprobs=prompt_logprobs))
 
     async def generate(
         self, sampling: SamplingParams, context_id: str, parent_context_id: str | None = None
@@ -51,8 +53,8 @@ class LocalEngineClient(EngineClient):
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[GenerateChunk] = asyncio.Queue()
 
-        def on_chunk(ids: list[int], text: str, finish: FinishReason | None) -> None:
-            loop.call_soon_threadsafe(q.put_nowait, GenerateChunk(tuple(ids), text, finish))
+        def on_chunk(chunk: GenerateChunk) -> None:
+            loop.call_soon_threadsafe(q.put_nowait, chunk)
 
         fut = asyncio.wrap_future(self.engine.generate(sampling, context_id, parent_context_id, on_chunk=on_chunk))
         finished = False

@@ -6,6 +6,11 @@ Flat batch layout of one iteration (rows of input_ids / positions / slots):
 
 Chunks with 0 tokens ("sample only": a Generate on a context whose last hidden state is cached) take no
 row; their hidden state comes from the context.
+
+Logits: by default only for the rows that sample (the last row of a chunk reaching its context's end, and the
+sample-only chunks). A Fill asking for prompt logprobs also gets the logits of every row of its chunks whose next
+token is a filled token with unknown logprob (parrot.engine.kv_cache.prompt_logprobs.needs_logits), computed
+``_LOGIT_ROWS`` rows at a time so a long chunk never holds [tokens, vocab] logits at once.
 """
 
 from __future__ import annotations
@@ -14,12 +19,15 @@ from collections.abc import Callable
 
 import torch
 
-from parrot.engine.context import Context, Op
+from parrot.engine.context import Context, Op, RawLogprobs
 from parrot.engine.core import StepOutput
 from parrot.engine.decode_groups import min_shared_blocks, shared_prefix_groups
+from parrot.engine.kv_cache.prompt_logprobs import needs_logits, wants_prompt_logprobs
 from parrot.engine.layers.attention import BlockRef, DecodeGroup, PagedAttention, PrefillMeta
-from parrot.engine.sampler import Sampler
+from parrot.engine.sampler import Sampler, token_logprobs
 from parrot.engine.scheduler.scheduler import BatchPlan, Chunk
+
+_LOGIT_ROWS = 256  # prompt-logprob rows per lm_head call
 
 
 class ModelRunner:
@@ -102,11 +110,36 @@ class ModelRunner:
             sample_rows.append(c.op.ctx.last_hidden)
             sample_ops.append(c.op)
         sampled: tuple[tuple[Op, int], ...] = ()
+        token_lps: list[tuple[Op, RawLogprobs]] = []
         if sample_ops:
             logits = self.model.compute_logits(torch.stack(sample_rows))
             toks = self.sampler.sample(logits, sample_ops)
             sampled = tuple(zip(sample_ops, toks))
-        return StepOutput(computed, tuple(last_hidden), sampled)
+            if any(op.sampling.logprobs is not None for op in sample_ops):  # type: ignore[union-attr]
+                lps = self.sampler.logprobs(logits, sample_ops, toks)
+                token_lps = [(op, lp) for op, lp in zip(sample_ops, lps) if lp is not None]
+        prompt_lps = self._prompt_logprobs(hidden, decodes + prefills, rows) if hidden is not None else ()
+        return StepOutput(computed, tuple(last_hidden), sampled, tuple(token_lps), prompt_lps)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, chunks: list[Chunk],
+                         rows: dict[int, int]) -> tuple[tuple[Op, int, RawLogprobs], ...]:
+        """Logprobs of the filled tokens the rows of prompt-logprob fills predict: row p gives position p + 1."""
+        want: list[tuple[Op, int, int]] = []  # (op, position predicted, row in hidden)
+        for c in chunks:
+            op = c.op
+            if not wants_prompt_logprobs(op):
+                continue
+            last = c.start + c.num_tokens - 1
+            want += [(op, p + 1, rows[id(c)] - (last - p)) for p in range(c.start, last + 1) if needs_logits(op, p)]
+        out: list[tuple[Op, int, RawLogprobs]] = []
+        for i in range(0, len(want), _LOGIT_ROWS):
+            part = want[i : i + _LOGIT_ROWS]
+            idx = torch.tensor([r for _, _, r in part], dtype=torch.long, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, idx))
+            lps = token_logprobs(logits, [op.ctx.tokens[pos] for op, pos, _ in part],
+                                 [op.prompt_logprobs for op, _, _ in part])  # type: ignore[misc]
+            out += [(op, pos, lp) for (op, pos, _), lp in zip(part, lps)]
+        return tuple(out)
 
     def _decode_groups(self, decodes: list[Chunk]) -> tuple[list[Chunk], list[DecodeGroup]]:
         """Order decode rows as [plain | shared group 1 | shared group 2 ...] and describe each group

@@ -1,8 +1,14 @@
-"""Token sampling for a batch of GENERATE ops (torch).
+"""Token sampling for a batch of GENERATE ops (torch), and the logprobs reported with the tokens.
 
 Greedy rows take one batched argmax. Sampled rows share batched temperature / top-k / top-p masking and then
 draw with their own ``torch.Generator`` (seeded per request), so a seeded request gives the same tokens
 whatever else is in the batch. Penalties and min_tokens are applied per row before either path.
+
+Logprobs convention (``SamplingParams.logprobs``): ``log_softmax`` in fp32 of the logits the sampler chose from
+*after* the repetition / presence / frequency penalties and the min_tokens ban of EOS and stop tokens, *before*
+temperature, top-k and top-p. So they describe the model's (penalized) distribution, not the truncated one a
+sampled token was drawn from: a greedy token is always the first of the top, a sampled one need not be in it.
+Only rows that ask pay for them. Prompt logprobs (the runner's) are the same ``log_softmax`` of raw logits.
 """
 
 from __future__ import annotations
@@ -12,10 +18,29 @@ from collections.abc import Sequence
 import torch
 
 from parrot.common.sampling import SamplingParams
-from parrot.engine.context import Op
+from parrot.engine.context import Op, RawLogprobs
 
 
 _ARGMAX_CHUNK = 1024
+_LOGPROB_FLOOR = torch.finfo(torch.float32).min  # stands for -inf (a banned token), which JSON cannot carry
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], ks: Sequence[int]) -> list[RawLogprobs]:
+    """Per row of ``logits`` ([N, vocab]): fp32 ``log_softmax``, the logprob of ``token_ids[i]`` and the ``ks[i]``
+    most likely tokens, most likely first. One batched log_softmax / gather / topk for all rows."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(list(token_ids), dtype=torch.long, device=logits.device)
+    chosen = logp.gather(1, ids.unsqueeze(1)).squeeze(1).clamp_(min=_LOGPROB_FLOOR).tolist()
+    kmax = min(max(ks, default=0), logp.shape[1])
+    if kmax:
+        vals, idx = logp.topk(kmax, dim=-1)  # sorted, descending
+        top_vals, top_ids = vals.clamp_(min=_LOGPROB_FLOOR).tolist(), idx.tolist()
+    out = []
+    for i, (t, k) in enumerate(zip(token_ids, ks)):
+        n = min(k, kmax)
+        out.append(RawLogprobs(int(t), chosen[i], k, tuple(top_ids[i][:n]) if n else (),
+                               tuple(top_vals[i][:n]) if n else ()))
+    return out
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -75,7 +100,8 @@ class Sampler:
                 logits[list(banned)] = float("-inf")
 
     def sample(self, logits: torch.Tensor, ops: Sequence[Op]) -> list[int]:
-        """logits: float32 [N, vocab], one row per op (modified in place). Returns one token id per op."""
+        """logits: float32 [N, vocab], one row per op (penalties and the min_tokens ban are applied in place: pass
+        the same tensor to :meth:`logprobs`). Returns one token id per op."""
         for i, op in enumerate(ops):
             sp = op.sampling
             assert sp is not None
@@ -99,6 +125,22 @@ class Sampler:
             for j, i in enumerate(sampled):
                 g = self._generator(ops[i], logits.device)
                 out[i] = int(torch.multinomial(probs[j], 1, generator=g).item())
+        return out
+
+    @staticmethod
+    def logprobs(logits: torch.Tensor, ops: Sequence[Op], token_ids: Sequence[int]) -> list[RawLogprobs | None]:
+        """The logprobs of ``token_ids`` (what :meth:`sample` returned) for the rows whose sampling asks for them
+        (None for the others, which cost nothing), from the logits :meth:`sample` adjusted (see the module)."""
+        ks = [op.sampling.logprobs for op in ops]  # type: ignore[union-attr]
+        rows = [i for i, k in enumerate(ks) if k is not None]
+        out: list[RawLogprobs | None] = [None] * len(ops)
+        if not rows:
+            return out
+        sel = logits if len(rows) == len(ops) else logits.index_select(
+            0, torch.tensor(rows, dtype=torch.long, device=logits.device))
+        lps = token_logprobs(sel, [token_ids[i] for i in rows], [ks[i] for i in rows])  # type: ignore[misc]
+        for i, lp in zip(rows, lps):
+            out[i] = lp
         return out
 
     @staticmethod

@@ -77,7 +77,8 @@ def create_engine_app(client: EngineClient, settings: EngineServerSettings | Non
 
     @app.post("/engine/v1/fill")
     async def fill(req: FillRequest) -> dict:
-        return to_json(await client.fill(req.token_ids, req.context_id, req.parent_context_id))
+        return to_json(await client.fill(req.token_ids, req.context_id, req.parent_context_id,
+                                         prompt_logprobs=req.prompt_logprobs))
 
     @app.post("/engine/v1/generate")
     async def generate(req: GenerateRequest):

@@ -103,6 +103,25 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_to_bytes(self, token_id: int) -> bytes:
+        """The raw bytes token ``token_id`` stands for (b"" for an id outside the vocabulary). Byte-level BPE: the
+        piece's byte-alphabet characters mapped back to bytes; other vocabularies (sentencepiece style): the piece
+        with U+2581 as a space and ``<0xNN>`` byte tokens as that byte; added tokens: their UTF-8 content."""
+        if not 0 <= token_id < self.vocab_size:
+            return b""
+        if self.token_bytes is not None:
+            return self.token_bytes[token_id]
+        added = self.backend.get_added_tokens_decoder().get(token_id)
+        if added is not None:
+            return added.content.encode("utf-8")
+        piece = self.backend.id_to_token(token_id) or ""
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return piece.replace("\u2581", " ").encode("utf-8")
+
     def is_special(self, token_id: int) -> bool:
         tok = self.backend.get_added_tokens_decoder().get(token_id)
         return tok is not None and tok.special

@@ -1,4 +1,9 @@
-"""JSON shapes of the engine's HTTP protocol (shared by the engine server and its HTTP client)."""
+"""JSON shapes of the engine's HTTP protocol (shared by the engine server and its HTTP client).
+
+Results are their dataclasses as JSON objects (tuples as lists, enums as values). Logprobs keep their shape:
+``{"chosen": {"token_id", "token", "token_bytes", "logprob"}, "top": [...]}`` per position (``null`` for a context's
+first token in ``prompt_logprobs``), with ``token_bytes`` a list of byte values (JSON has no bytes).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,9 @@ import dataclasses
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from parrot.common.sampling import FinishReason
+from enum import Enum
+
+from parrot.common.sampling import FinishReason, PositionLogprobs, TokenLogprob
 from parrot.engine.interface import EngineStatus, FillResult, GenerateChunk, GenerateResult, ModelInfo
 
 _ID = Field(min_length=1, max_length=256)
@@ -17,6 +24,7 @@ class FillRequest(BaseModel):
     token_ids: list[int] = Field(max_length=1_000_000)
     context_id: str = _ID
     parent_context_id: str | None = Field(None, min_length=1, max_length=256)
+    prompt_logprobs: int | None = None  # validated by the engine (BadSamplingParams naming the field)
 
 
 class GenerateRequest(BaseModel):
@@ -50,16 +58,35 @@ class DetokenizeRequest(BaseModel):
 
 
 def to_json(obj) -> dict:
-    d = dataclasses.asdict(obj)
-    for k, v in d.items():
-        if isinstance(v, tuple):
-            d[k] = list(v)
-        elif isinstance(v, FinishReason):
-            d[k] = v.value
-    return d
+    return _plain(dataclasses.asdict(obj))
+
+
+def _plain(v):
+    """asdict's output as JSON values: tuples -> lists, bytes -> lists of ints, enums -> their values."""
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (tuple, list)):
+        return [_plain(x) for x in v]
+    if isinstance(v, bytes):
+        return list(v)
+    if isinstance(v, Enum):
+        return v.value
+    return v
+
+
+def _token_logprob(d: dict) -> TokenLogprob:
+    return TokenLogprob(d["token_id"], d["token"], bytes(d["token_bytes"]), d["logprob"])
+
+
+def position_logprobs(d: dict | None) -> PositionLogprobs | None:
+    if d is None:
+        return None
+    return PositionLogprobs(_token_logprob(d["chosen"]), tuple(_token_logprob(t) for t in d["top"]))
 
 
 def fill_result(d: dict) -> FillResult:
+    d = dict(d)
+    d["prompt_logprobs"] = tuple(position_logprobs(p) for p in d.get("prompt_logprobs") or ())
     return FillResult(**d)
 
 
@@ -67,12 +94,14 @@ def generate_result(d: dict) -> GenerateResult:
     d = dict(d)
     d["token_ids"] = tuple(d["token_ids"])
     d["finish_reason"] = FinishReason(d["finish_reason"])
+    d["logprobs"] = tuple(position_logprobs(p) for p in d.get("logprobs") or ())
     return GenerateResult(**d)
 
 
 def generate_chunk(d: dict) -> GenerateChunk:
     fr = d.get("finish_reason")
-    return GenerateChunk(tuple(d["token_ids"]), d["text"], FinishReason(fr) if fr else None)
+    return GenerateChunk(tuple(d["token_ids"]), d["text"], FinishReason(fr) if fr else None,
+                         tuple(position_logprobs(p) for p in d.get("logprobs") or ()))
 
 
 def engine_status(d: dict) -> EngineStatus:

@@ -15,6 +15,18 @@ the prompt KV is shared, not copied)::
 
 Choice ``j`` of prompt ``i`` has index ``i * n + j`` in results and events.
 
+Logprobs (``sampling["logprobs"] = k``) and echo. A choice's logprobs are one entry per position::
+
+    | prompt tokens (echo only; fill(prompt_logprobs=k)) | generated tokens (generate with logprobs=k) |
+      ^ the first is an UnscoredToken: nothing predicts it
+
+Completions list every generated token (a final EOS / stop token too: ``len == echoed prompt + completion
+tokens``, the positions an evaluation harness slices by). Chat lists the tokens of the message text: a token is
+listed once its first byte is in the text sent (:class:`~parrot.manager.logprob_align.TextAligned`), so a final stop token and the tail of a
+cut stop string are left out and the listed tokens' bytes spell the content. Echo with ``max_tokens == 0`` fills
+the prompt (with its logprobs) and generates nothing (finish reason ``length``). ``Usage.cached_tokens`` sums
+the engines' ``FillResult.num_cached`` (each prompt is filled once, whatever ``n``).
+
 Failover (:class:`~parrot.manager.failover.Failover`, the executor's loop too): when the prompt's engine
 becomes unreachable (a call fails with ``EngineUnavailable``, or the registry declares it dead while a call
 hangs), the engine is marked dead and the prompt restarts from its fill on another engine (contexts named
@@ -35,94 +47,43 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import anyio
 
-from parrot.common.errors import ContextLengthExceeded, EngineUnavailable, InvalidRequestError
+from parrot.common.errors import (
+    BadSamplingParams,
+    ContextLengthExceeded,
+    EngineError,
+    EngineUnavailable,
+    InvalidRequestError,
+)
 from parrot.common.sampling import FinishReason, SamplingParams
-from parrot.engine.interface import EngineClient, GenerateChunk, GenerateResult, ModelInfo
+from parrot.engine.interface import EngineClient, FillResult, GenerateChunk, GenerateResult, ModelInfo
+from parrot.manager.completion_types import (
+    ChatSpec,
+    ChoiceDelta,
+    ChoiceResult,
+    ChoiceSpec,
+    CompletionPlan,
+    CompletionResult,
+    CompletionSpec,
+    Position,
+    PromptJob,
+    Tokenized,
+    TokenizerInfo,
+    UnscoredToken,
+    Usage,
+)
 from parrot.manager.chat_template import ChatRenderer
 from parrot.manager.dispatcher import Dispatcher, DispatchRequest, Lease
 from parrot.manager.failover import Failover, Loss, OrphanContexts
+from parrot.manager.logprob_align import aligner, generated_positions
 
 logger = logging.getLogger(__name__)
 
 MAX_PROMPTS = 256
 T = TypeVar("T")
-
-
-# ---- what comes in ------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ChoiceSpec:
-    """How many choices each prompt gets and how they sample."""
-
-    n: int = 1
-    max_tokens: int | None = None  # per choice; None: up to the model's context window
-    # SamplingParams fields except max_tokens; validated when planned (BadSamplingParams)
-    sampling: Mapping[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class CompletionSpec:
-    model: str
-    prompts: Sequence[str | Sequence[int]]  # each a text or token ids
-    choices: ChoiceSpec = field(default_factory=ChoiceSpec)
-
-
-@dataclass(frozen=True)
-class ChatSpec:
-    model: str
-    messages: Sequence[Mapping[str, str]]  # {"role", "content"[, "name"]}, as chat templates take them
-    choices: ChoiceSpec = field(default_factory=ChoiceSpec)
-
-
-@dataclass(frozen=True)
-class PromptJob:
-    index: int  # position of the prompt in the request
-    token_ids: list[int]
-    samplings: tuple[SamplingParams, ...]  # one per choice
-
-
-@dataclass(frozen=True)
-class CompletionPlan:
-    chat: bool
-    id: str
-    created: int
-    model: str
-    n: int
-    jobs: list[PromptJob]
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(j.token_ids) for j in self.jobs)
-
-    @property
-    def num_choices(self) -> int:
-        return len(self.jobs) * self.n
-
-
-# ---- what goes out ------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-
-
-@dataclass(frozen=True)
-class CompletionResult:
-    choices: list[GenerateResult]  # by choice index
-    usage: Usage
-
-
-@dataclass(frozen=True)
-class ChoiceDelta:
-    """New text of one choice; the choice's last delta carries its finish reason."""
-
-    index: int
-    text: str
-    finish_reason: FinishReason | None
 
 
 class CompletionService:
@@ -147,34 +108,85 @@ class CompletionService:
         if len(spec.prompts) > MAX_PROMPTS:
             raise InvalidRequestError(f"at most {MAX_PROMPTS} prompts per request, got {len(spec.prompts)}",
                                       param="prompt")
+        if spec.choices.max_tokens == 0 and not spec.echo:
+            raise BadSamplingParams("max_tokens must be >= 1 (0 only with echo: the prompt scored, nothing generated)",
+                                    param="max_tokens")
         jobs = []
         for i, p in enumerate(spec.prompts):
-            ids = await self._encode(client, info, p) if isinstance(p, str) else _check_ids(p, info)
+            ids = await self._encode(client, info, p) if isinstance(p, str) else _check_ids(p, info, "prompt")
             max_tokens = _max_tokens(spec.choices, info, len(ids), "prompt")
-            jobs.append(PromptJob(i, ids, _samplings(spec.choices, max_tokens, self.max_n)))
+            echo_text = None
+            if spec.echo:
+                echo_text = p if isinstance(p, str) else await client.detokenize(ids)
+            jobs.append(PromptJob(i, ids, _samplings(spec.choices, max_tokens, self.max_n), echo_text))
         return CompletionPlan(False, f"cmpl-{secrets.token_hex(12)}", int(time.time()), spec.model,
-                              spec.choices.n, jobs)
+                              spec.choices.n, jobs, generate=spec.choices.max_tokens != 0)
 
     async def plan_chat(self, spec: ChatSpec) -> CompletionPlan:
         client, info = self._tokenizer_for(spec.model)
-        bos = await self._token_text(client, info, info.bos_token_id)
-        eos = await self._token_text(client, info, info.eos_token_ids[0] if info.eos_token_ids else None)
-        text = self.renderer.render(info.chat_template, spec.messages, bos_token=bos, eos_token=eos)
-        ids = await self._encode(client, info, text)
+        ids = await self._encode(client, info, await self._render(client, info, spec.messages))
         max_tokens = _max_tokens(spec.choices, info, len(ids), "messages")
+        if max_tokens == 0:
+            raise BadSamplingParams("max_tokens must be >= 1", param="max_tokens")
         return CompletionPlan(True, f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), spec.model,
                               spec.choices.n, [PromptJob(0, ids, _samplings(spec.choices, max_tokens, self.max_n))])
+
+    # ---- tokenizer endpoints ------------------------------------------------------------------------------------
+    async def tokenize(self, model: str | None, *, prompt: str | None = None,
+                       messages: Sequence[Mapping[str, str]] | None = None, add_special_tokens: bool = True,
+                       add_generation_prompt: bool = True) -> Tokenized:
+        """Token ids of ``prompt``, or of ``messages`` rendered with the chat template, as the completion and
+        chat paths count them (``add_special_tokens``: BOS when the model adds one). One of the two is given."""
+        client, info = self._tokenizer_for(self._model_or_only(model))
+        if messages is not None:
+            text = await self._render(client, info, messages, add_generation_prompt=add_generation_prompt)
+        else:
+            assert prompt is not None
+            text = prompt
+        ids = await self._encode(client, info, text, add_bos=add_special_tokens, allow_empty=True)
+        return Tokenized(ids, info.max_model_len)
+
+    async def detokenize(self, model: str | None, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids``; ids outside the vocabulary are a 400 naming ``tokens``."""
+        client, info = self._tokenizer_for(self._model_or_only(model))
+        return await client.detokenize(_check_ids(token_ids, info, "tokens"))
+
+    async def tokenizer_info(self, model: str | None) -> TokenizerInfo:
+        client, info = self._tokenizer_for(self._model_or_only(model))
+        bos = await self._token_text(client, info, info.bos_token_id) if info.bos_token_id is not None else None
+        eos_id = info.eos_token_ids[0] if info.eos_token_ids else None
+        eos = await self._token_text(client, info, eos_id) if eos_id is not None else None
+        return TokenizerInfo(info.name, bos, eos, info.chat_template, info.max_model_len, info.add_bos)
+
+    def _model_or_only(self, model: str | None) -> str:
+        """``model``, or the one served model when not named (several served: 400 naming ``model``)."""
+        if model is not None:
+            return model
+        names = sorted({i.name for i in self.dispatcher.registry.model_infos()})
+        if len(names) > 1:
+            raise InvalidRequestError(f"name the model: this server serves {names}", param="model")
+        if not names:
+            raise EngineUnavailable("no live engine")
+        return names[0]
 
     def _tokenizer_for(self, model: str) -> tuple[EngineClient, ModelInfo]:
         entry = self.dispatcher.registry.candidates((model,))[0]  # engines of one model share a tokenizer
         assert entry.info is not None
         return entry.client, entry.info
 
-    async def _encode(self, client: EngineClient, info: ModelInfo, text: str) -> list[int]:
+    async def _render(self, client: EngineClient, info: ModelInfo, messages: Sequence[Mapping[str, str]], *,
+                      add_generation_prompt: bool = True) -> str:
+        bos = await self._token_text(client, info, info.bos_token_id)
+        eos = await self._token_text(client, info, info.eos_token_ids[0] if info.eos_token_ids else None)
+        return self.renderer.render(info.chat_template, messages, bos_token=bos, eos_token=eos,
+                                    add_generation_prompt=add_generation_prompt)
+
+    async def _encode(self, client: EngineClient, info: ModelInfo, text: str, *, add_bos: bool = True,
+                      allow_empty: bool = False) -> list[int]:
         ids = await client.tokenize(text)
-        if info.add_bos and info.bos_token_id is not None and (not ids or ids[0] != info.bos_token_id):
+        if add_bos and info.add_bos and info.bos_token_id is not None and (not ids or ids[0] != info.bos_token_id):
             ids = [info.bos_token_id, *ids]
-        if not ids:
+        if not ids and not allow_empty:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         return ids
 
@@ -195,7 +207,8 @@ class CompletionService:
         finally:
             await run.close()
         choices = [res for results in per_job for res in results]
-        return CompletionResult(choices, Usage(plan.prompt_tokens, sum(len(r.token_ids) for r in choices)))
+        return CompletionResult(choices, Usage(plan.prompt_tokens, sum(len(r.token_ids) for r in choices),
+                                               run.cached_tokens))
 
     async def stream(self, plan: CompletionPlan) -> AsyncIterator[ChoiceDelta | Usage]:
         """Deltas as the engines produce them (choices interleaved), then one :class:`Usage`. Every choice
@@ -203,6 +216,7 @@ class CompletionService:
         run = _Run(self, plan)
         queue: asyncio.Queue = asyncio.Queue()
         pumps = [asyncio.create_task(run.pump(job, queue)) for job in plan.jobs]
+        aligners = [aligner(plan) for _ in range(plan.num_choices)]
         finished: set[int] = set()
         completion_tokens = 0
         try:
@@ -215,15 +229,25 @@ class CompletionService:
                     done += 1
                     if index not in finished:  # an engine stream that ended without a finish reason
                         finished.add(index)
-                        yield ChoiceDelta(index, "", FinishReason.STOP)
+                        yield ChoiceDelta(index, "", FinishReason.STOP, aligners[index].push((), "", final=True))
+                    continue
+                if kind == "echo":
+                    text, positions = item
+                    reason = None if plan.generate else FinishReason.LENGTH
+                    if reason is not None:
+                        finished.add(index)
+                    yield ChoiceDelta(index, text, reason, positions)
                     continue
                 chunk: GenerateChunk = item
                 completion_tokens += len(chunk.token_ids)
-                if chunk.finish_reason is not None:
+                final = chunk.finish_reason is not None
+                if final:
                     finished.add(index)
-                if chunk.text or chunk.finish_reason is not None:
-                    yield ChoiceDelta(index, chunk.text, chunk.finish_reason)
-            yield Usage(plan.prompt_tokens, completion_tokens)
+                positions = aligners[index].push(generated_positions(plan, chunk.token_ids, chunk.logprobs),
+                                                 chunk.text, final=final)
+                if chunk.text or final or positions:
+                    yield ChoiceDelta(index, chunk.text, chunk.finish_reason, positions)
+            yield Usage(plan.prompt_tokens, completion_tokens, run.cached_tokens)
         finally:
             for t in pumps:
                 t.cancel()
@@ -244,29 +268,41 @@ class _Run:
         self.plan = plan
         self.leases: list[Lease] = []
         self.contexts: list[tuple[str, EngineClient, str]] = []  # (engine, client it was created through, context)
+        self.fills: dict[int, FillResult] = {}  # job index -> the fill of its latest run
 
-    async def run(self, job: PromptJob, work: Callable[[EngineClient, Targets], Awaitable[T]], *,
+    @property
+    def cached_tokens(self) -> int:
+        return sum(f.num_cached for f in self.fills.values())
+
+    async def run(self, job: PromptJob, work: Callable[[EngineClient, Targets, FillResult], Awaitable[T]], *,
                   restartable: Callable[[], bool] = lambda: True) -> T:
-        """Lease an engine, fill the prompt, ``await work(client, targets)``; on the engine's loss restart on
-        another one (see the module docstring) while ``restartable()`` and attempts remain."""
+        """Lease an engine, fill the prompt, ``await work(client, targets, fill)``; on the engine's loss restart
+        on another one (see the module docstring) while ``restartable()`` and attempts remain. Without
+        generation (echo, max_tokens 0) ``targets`` is empty."""
+        plan = self.plan
+        # prompt logprobs only when they are echoed; passed only then (engines without them never see the keyword)
+        fill_kwargs = {"prompt_logprobs": plan.logprobs} if plan.echo and plan.logprobs is not None else {}
 
         async def attempt(lease: Lease, n: int) -> T:
             self.leases.append(lease)  # held until close: the contexts live on
             client = lease.client
-            base = f"{self.plan.id}-{job.index}" + (f"-r{n}" if n > 1 else "")
+            base = f"{plan.id}-{job.index}" + (f"-r{n}" if n > 1 else "")
             self.contexts.append((lease.engine, client, base))
-            await client.fill(job.token_ids, base)
-            if len(job.samplings) == 1:
-                targets: Targets = [(base, None)]
+            fill = await client.fill(job.token_ids, base, **fill_kwargs)
+            self.fills[job.index] = fill
+            if not plan.generate:
+                targets: Targets = []
+            elif len(job.samplings) == 1:
+                targets = [(base, None)]
             else:
                 targets = [(f"{base}.{i}", base) for i in range(len(job.samplings))]
                 self.contexts.extend((lease.engine, client, c) for c, _ in targets)
-            return await work(client, targets)
+            return await work(client, targets, fill)
 
-        request = DispatchRequest(request_id=f"{self.plan.id}/{job.index}", models=(self.plan.model,),
-                                  prompt_tokens=len(job.token_ids),
-                                  max_new_tokens=sum(s.max_tokens for s in job.samplings))
-        return await self.service.failover.run(request, attempt, what=f"completion {self.plan.id}/{job.index}",
+        request = DispatchRequest(request_id=f"{plan.id}/{job.index}", models=(plan.model,),
+                                  prompt_tokens=len(job.token_ids), prompt_token_ids=tuple(job.token_ids),
+                                  max_new_tokens=sum(s.max_tokens for s in job.samplings) if plan.generate else 0)
+        return await self.service.failover.run(request, attempt, what=f"completion {plan.id}/{job.index}",
                                                restartable=restartable, on_lost=self._abandon)
 
     def _abandon(self, loss: Loss) -> None:
@@ -278,23 +314,62 @@ class _Run:
         for engine, client, ctx in mine:
             self.service.orphans.add(engine, client, ctx)
 
-    async def generate_all(self, job: PromptJob) -> list[GenerateResult]:
-        async def work(client: EngineClient, targets: Targets) -> list[GenerateResult]:
-            return await gather_or_cancel([client.generate(s, ctx, parent)
-                                           for s, (ctx, parent) in zip(job.samplings, targets)])
+    async def _echo(self, job: PromptJob, fill: FillResult, client: EngineClient) -> tuple[str, tuple[Position, ...]]:
+        """The echoed prompt of ``job``: its text and, with logprobs, its positions; ("", ()) without echo."""
+        if job.echo_text is None:
+            return "", ()
+        if self.plan.logprobs is None:
+            return job.echo_text, ()
+        scored = fill.prompt_logprobs
+        if len(scored) != len(job.token_ids) or any(p is None for p in scored[1:]):
+            raise EngineError(f"the engine returned {len(scored)} prompt logprobs for {len(job.token_ids)} tokens")
+        first = scored[0]
+        if first is None:  # nothing predicts a context's first token: its text only
+            first = UnscoredToken(job.token_ids[0], await client.detokenize(job.token_ids[:1]))
+        return job.echo_text, (first, *(p for p in scored[1:] if p is not None))
+
+    async def generate_all(self, job: PromptJob) -> list[ChoiceResult]:
+        plan = self.plan
+
+        async def work(client: EngineClient, targets: Targets, fill: FillResult) -> list[ChoiceResult]:
+            echo_text, echo_positions = await self._echo(job, fill, client)
+            with_logprobs = plan.logprobs is not None
+            if not plan.generate:
+                return [ChoiceResult(echo_text, FinishReason.LENGTH, (), echo_positions if with_logprobs else None)
+                        for _ in job.samplings]
+            results: list[GenerateResult] = await gather_or_cancel(
+                [client.generate(s, ctx, parent) for s, (ctx, parent) in zip(job.samplings, targets)])
+            out = []
+            for res in results:
+                positions = aligner(plan).push(generated_positions(plan, res.token_ids, res.logprobs), res.text,
+                                                final=True)
+                out.append(ChoiceResult(echo_text + res.text, res.finish_reason, res.token_ids,
+                                        echo_positions + positions if with_logprobs else None))
+            return out
 
         return await self.run(job, work)
 
     async def pump(self, job: PromptJob, queue: asyncio.Queue) -> None:
-        """Stream every choice of ``job`` into ``queue`` as ("chunk", index, chunk) / ("done", index, None);
-        a failure is put as ("error", -1, exc)."""
+        """Stream every choice of ``job`` into ``queue`` as ("echo", index, (text, positions)) when echoing,
+        ("chunk", index, chunk)..., ("done", index, None); a failure is put as ("error", -1, exc)."""
         sent = 0  # tokens of this prompt already handed to the client
         events = 0  # events of this prompt queued for the client: past 0 a restart would repeat them
 
-        async def work(client: EngineClient, targets: Targets) -> None:
-            async def one(i: int, sampling: SamplingParams, ctx: str, parent: str | None) -> None:
+        async def work(client: EngineClient, targets: Targets, fill: FillResult) -> None:
+            nonlocal events
+            echo = await self._echo(job, fill, client)
+            indexes = [job.index * self.plan.n + i for i in range(len(job.samplings))]
+            if job.echo_text is not None:
+                for index in indexes:
+                    events += 1
+                    queue.put_nowait(("echo", index, echo))
+            if not self.plan.generate:
+                for index in indexes:
+                    queue.put_nowait(("done", index, None))
+                return
+
+            async def one(index: int, sampling: SamplingParams, ctx: str, parent: str | None) -> None:
                 nonlocal sent, events
-                index = job.index * self.plan.n + i
                 async with contextlib.aclosing(client.generate_stream(sampling, ctx, parent)) as chunks:
                     async for chunk in chunks:
                         sent += len(chunk.token_ids)
@@ -303,8 +378,8 @@ class _Run:
                 events += 1
                 queue.put_nowait(("done", index, None))
 
-            await gather_or_cancel([one(i, s, ctx, parent)
-                                    for i, (s, (ctx, parent)) in enumerate(zip(job.samplings, targets))])
+            await gather_or_cancel([one(index, s, ctx, parent)
+                                    for index, s, (ctx, parent) in zip(indexes, job.samplings, targets)])
 
         try:
             await self.run(job, work, restartable=lambda: events == 0)
@@ -347,7 +422,7 @@ async def gather_or_cancel(aws: Sequence[Awaitable[T]]) -> list[T]:
 def _max_tokens(choices: ChoiceSpec, info: ModelInfo, prompt_len: int, what: str) -> int:
     """Tokens each choice may generate: as asked, or up to the context window; either must fit in it."""
     max_tokens = choices.max_tokens if choices.max_tokens is not None else info.max_model_len - prompt_len
-    if prompt_len + max(max_tokens, 1) > info.max_model_len:
+    if prompt_len + (max(max_tokens, 1) if choices.max_tokens != 0 else 0) > info.max_model_len:
         raise ContextLengthExceeded(
             f"This model's maximum context length is {info.max_model_len} tokens. However, you requested "
             f"{prompt_len + max(max_tokens, 0)} tokens ({prompt_len} in the {what}, {max(max_tokens, 0)} in the "
@@ -358,15 +433,16 @@ def _max_tokens(choices: ChoiceSpec, info: ModelInfo, prompt_len: int, what: str
 def _samplings(choices: ChoiceSpec, max_tokens: int, max_n: int) -> tuple[SamplingParams, ...]:
     if choices.n > max_n:
         raise InvalidRequestError(f"n must be <= {max_n}, got {choices.n}", param="n")
-    base = SamplingParams.from_dict({**choices.sampling, "max_tokens": max_tokens})
+    # max_tokens 0 (echo only) never generates: the other fields are still validated
+    base = SamplingParams.from_dict({**choices.sampling, "max_tokens": max(max_tokens, 1)})
     # choice i of a seeded request uses seed + i: reproducible, yet the n choices differ
     return tuple(base if base.seed is None or i == 0 else base.replace(seed=base.seed + i)
                  for i in range(choices.n))
 
 
-def _check_ids(ids: Sequence[int], info: ModelInfo) -> list[int]:
+def _check_ids(ids: Sequence[int], info: ModelInfo, param: str) -> list[int]:
     bad = [t for t in ids if not 0 <= t < info.vocab_size]
     if bad:
         raise InvalidRequestError(f"token id(s) {bad[:5]} out of the vocabulary [0, {info.vocab_size})",
-                                  param="prompt")
+                                  param=param)
     return list(ids)

@@ -38,7 +38,8 @@ class SimEngine(EngineCore):
     def __init__(self, name: str, cost: CostModel, *, model_name: str = "sim-llm", seed: int = 0,
                  output_lengths: OutputLengths = OutputLengths(), vocab_size: int = 32000,
                  enable_prefix_cache: bool = True, shared_prefix_attention: bool = True,
-                 clock: Callable[[], float] | None = None, profiled: bool = True) -> None:
+                 clock: Callable[[], float] | None = None, profiled: bool = True,
+                 local_policy: str = "fcfs") -> None:
         """Create inside the running (virtual) loop; ``clock`` defaults to that loop's time. ``profiled``: the
         engine's step-time statistics start from its cost model's profile grid (:func:`seed_step_stats`), as a
         real engine warmed up over several batch shapes; otherwise they start empty and learn from its steps."""
@@ -48,9 +49,10 @@ class SimEngine(EngineCore):
         runner = SimRunner(cost, random.Random(f"{seed}:{name}"), output_lengths,
                            shared_prefix_attention=shared_prefix_attention)
         super().__init__(name=name, model_name=model_name, runner=runner, pool=pool,
-                         scheduler=Scheduler(pool, cost.max_num_seqs, cost.max_batch_tokens),
+                         scheduler=Scheduler(pool, cost.max_num_seqs, cost.max_batch_tokens,
+                                             local_policy=local_policy),
                          tokenizer=WordTokenizer(vocab_size), max_model_len=cost.max_model_len,
-                         clock=clock or self._loop.time, cached_status=False)
+                         clock=clock or self._loop.time, cached_status=False, computes_logits=False)
         self.runner: SimRunner = runner
         self.cost = cost
         if profiled:

@@ -24,6 +24,9 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 
+EVICTION_LOG_LEN = 512  # chain hashes of the latest evicted blocks kept for the engine's eviction notices
+
+
 class OutOfBlocks(Exception):
     """Raised by :meth:`BlockPool.allocate` when fewer blocks are available than requested (nothing changes)."""
 
@@ -31,7 +34,7 @@ class OutOfBlocks(Exception):
 def chain_hashes(tokens: Sequence[int], block_size: int, start_block: int = 0, prev: int | None = None) -> list[int]:
     """Chain hashes of the full blocks of ``tokens`` from ``start_block`` on (``prev`` = hash of the block before)."""
     out = []
-    h = prev
+    h = prev if prev is not None else 0  # not None: hash(None) differs between processes before Python 3.12
     for b in range(start_block, len(tokens) // block_size):
         h = hash((h, tuple(tokens[b * block_size : (b + 1) * block_size])))
         out.append(h)
@@ -51,6 +54,7 @@ class BlockPool:
         self._block_of: dict[int, int] = {}  # chain hash -> block
         self._cached: OrderedDict[int, None] = OrderedDict()  # ref-0 registered blocks, LRU first
         self.num_evicted = 0
+        self.evicted_log: deque[int] = deque(maxlen=EVICTION_LOG_LEN)  # latest evicted chain hashes, oldest first
         self.num_hit_blocks = 0
         self.num_pinned = 0  # blocks held by pins: never available to contexts while pinned
 
@@ -110,7 +114,9 @@ class BlockPool:
                 b = self._free.popleft()
             else:
                 b, _ = self._cached.popitem(last=False)
-                del self._block_of[self._hash_of.pop(b)]
+                h = self._hash_of.pop(b)
+                del self._block_of[h]
+                self.evicted_log.append(h)
                 self.num_evicted += 1
             self._ref[b] = 1
             out.append(b)
@@ -143,6 +149,17 @@ class BlockPool:
             return
         self._hash_of[block] = chain_hash
         self._block_of[chain_hash] = block
+
+    def cached_run(self, hashes: Sequence[int]) -> int:
+        """How many of ``hashes`` (a chain from the start) :meth:`match` would take now; changes nothing."""
+        if not self.enable_prefix_cache:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in self._block_of:
+                break
+            n += 1
+        return n
 
     def match(self, hashes: Sequence[int]) -> list[int]:
         """Take a reference on the blocks of the longest cached run of ``hashes`` (a chain from the start)."""

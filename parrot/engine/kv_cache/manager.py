@@ -34,7 +34,7 @@ No torch: the K/V tensors live in the runner; this module only moves block ids.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -62,6 +62,10 @@ class KVBlocks:
 
 NO_BLOCKS = KVBlocks()
 
+# (context, table index of its first matchable block, length of the cached run from there) -> how many of those
+# blocks to take (0..run): the engine core's rule for contexts whose op needs more than KV from the prefix cache
+MatchLimit = Callable[["Context", int, int], int]
+
 
 class KVManager:
     """Owns the block pool and every context's KV state; no other code writes either."""
@@ -70,6 +74,12 @@ class KVManager:
         self.pool = pool
         self.block_size = pool.block_size
         self._pins: dict[int, list[int]] = {}  # last chain hash of a pinned prefix -> its pinned blocks
+        self._match_limit: MatchLimit | None = None
+
+    def set_match_limit(self, limit: MatchLimit | None) -> None:
+        """Install the rule :meth:`match_prefix` asks before taking cached blocks (None: take the whole run). The
+        engine core installs one for prompt-logprob fills (parrot.engine.kv_cache.prompt_logprobs)."""
+        self._match_limit = limit
 
     # ---- queries (the pool's own: num_free, capacity, blocks_for, ...) ---------------------------------------------
     def blocks_missing(self, ctx: Context, upto: int) -> int:
@@ -94,12 +104,16 @@ class KVManager:
     def match_prefix(self, ctx: Context) -> KVBlocks:
         """Extend ``ctx``'s computed prefix with the longest cached run of its next full token blocks; returns the
         blocks taken (their tokens count as computed). Only at a block boundary with nothing allocated ahead, so
-        matched blocks extend the table directly."""
+        matched blocks extend the table directly; the installed match limit (:meth:`set_match_limit`) may take
+        fewer."""
         table, bs = ctx.block_table, self.block_size
         have = len(table)
         if ctx.num_computed != have * bs or len(ctx.tokens) // bs <= have:
             return NO_BLOCKS
         hashes = ctx.block_hashes(len(ctx.tokens) // bs, bs)[have:]
+        if self._match_limit is not None:
+            run = self.pool.cached_run(hashes)
+            hashes = hashes[: max(0, min(run, self._match_limit(ctx, have, run)))]
         hit = tuple(self.pool.match(hashes))
         if hit:
             table += hit
@@ -107,7 +121,9 @@ class KVManager:
         return KVBlocks(hit)
 
     def uncompute_tail(self, ctx: Context) -> None:
-        """Make the last token of a fully computed context uncomputed again (it must be re-run for its logits).
+        """Make the last computed token of a context uncomputed again (it must be re-run for its logits); the
+        context holds no blocks ahead of its computed tokens (a fully computed context, or one whose new tokens
+        are not scheduled yet).
 
         If its block is shared or cached, the context gives the block up (recomputing up to ``block_size`` tokens
         into a fresh block) instead of writing into KV another context reads (I5)."""
