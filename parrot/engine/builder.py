@@ -102,7 +102,8 @@ def _assemble(settings: EngineSettings, model, tokenizer, thread: EngineThread) 
     runner = ModelRunner(model, num_blocks, bs, sampler, shared_prefix_attention=settings.shared_prefix_attention,
                          decode_kernel=None if ops is None else ops.paged_decode, prefill_kernel=prefill,
                          kv_dtype=kv_dtype)
-    scheduler = Scheduler(pool, settings.max_num_seqs, settings.max_batch_tokens)
+    scheduler = Scheduler(pool, settings.max_num_seqs, settings.max_batch_tokens, local_policy=settings.local_policy,
+                          priority_groups=settings.priority_groups)
     engine = LLMEngine(name=settings.name, model_name=model_name, runner=runner, pool=pool, scheduler=scheduler,
                        tokenizer=tokenizer, max_model_len=max_len, thread=thread, numerics=plan.to_dict())
     log.info("engine %s: model %s, KV pool %d blocks x %d tokens (%s), window %d", settings.name, model_name,

@@ -57,6 +57,10 @@ class EngineSettings(BaseSettings):
     enable_prefix_cache: bool = Field(
         True, description="keep KV blocks of finished contexts and reuse them for equal token prefixes (LRU)"
     )
+    local_policy: Literal["fcfs", "preble"] = Field(
+        "fcfs", description="wait-queue order for admission: fcfs, or preble = priority groups by cached-token "
+        "ratio with proportional quotas (Preble 4.3)")
+    priority_groups: int = Field(10, ge=1, description="preble local policy: number of priority groups P")
     shared_prefix_attention: bool = Field(
         True, description="decode rows sharing a prefix attend to it once (one batched matmul, merged by LSE)"
     )

@@ -53,7 +53,8 @@ class ManagerConfig(BaseModel):
     # global scheduling (paper §5.4) and failover
     policy: Literal[POLICY_NAMES] = Field(  # type: ignore[valid-type]  # the names of the policy table
         "least-loaded", description="global scheduler: parrot (app-centric, paper Alg. 1), fifo-latency / "
-        "fifo-throughput (request-centric baselines), least-loaded (no caps, no queueing: the default)")
+        "fifo-throughput (request-centric baselines), least-loaded (no caps, no queueing: the default), e2 (Preble's "
+        "prefix-aware E2 by token ids), round-robin (data-parallel baseline)")
     latency_cap_tokens: int = Field(2048, ge=1, description="running tokens per engine while latency work runs there")
     throughput_cap_tokens: int = Field(65536, ge=1, description="running tokens per engine for throughput work "
                                        "(also bounded by its KV capacity)")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -22,7 +23,8 @@ from dataclasses import dataclass
 from parrot.bench.apps import OUT, App, Const, FromStep
 from parrot.common.template import parse_template, render_template
 from parrot.engine.local_client import LocalEngineClient
-from parrot.manager.completions import ChoiceSpec, CompletionService, CompletionSpec
+from parrot.manager.completion_types import ChoiceSpec, CompletionSpec
+from parrot.manager.completions import CompletionService
 from parrot.manager.dispatcher import Policy
 from parrot.manager.engine_registry import EngineRegistry
 from parrot.manager.graph import VarStatus
@@ -41,7 +43,7 @@ GET_POLL_S = 3600.0  # one long-poll of get_variable (capped by ManagerConfig.ma
 class ClusterConfig:
     engines: int = 1
     cost_model: str = "llama13b-a100"  # a name in parrot/sim/cost_models or a path
-    policy: str = "parrot"  # a manager policy name (parrot, fifo-latency, fifo-throughput, least-loaded)
+    policy: str = "parrot"  # a manager policy name (parrot.manager.policies.POLICY_NAMES)
     latency_cap_tokens: int = 4096  # paper §8.2: the baseline's latency capacity on one engine
     throughput_cap_tokens: int | None = None  # None: the engine's KV capacity
     prefix_sharing: bool = True  # manager-level prefix contexts (paper §5.3)
@@ -49,6 +51,8 @@ class ClusterConfig:
     latency_ms: tuple[float, float] = (200.0, 300.0)
     output_mean: float = 128.0  # mean length of generations that may stop early
     seed: int = 0
+    local_policy: str = "fcfs"  # the engines' wait-queue order (fcfs | preble)
+    kv_cache_tokens: int | None = None  # override the cost model's KV pool (small pools make eviction matter)
 
     def __post_init__(self) -> None:
         if self.engines < 1:
@@ -71,12 +75,15 @@ class SimCluster:
         """``policy`` overrides ``config.policy`` with a policy object (e.g. one with prefix affinity off)."""
         self.config = config
         self.cost = cost or load_model(config.cost_model)
+        if config.kv_cache_tokens is not None:
+            self.cost = dataclasses.replace(self.cost, kv_cache_tokens=config.kv_cache_tokens)
         loop = asyncio.get_running_loop()
         self.clock = loop.time
         self.engines = [SimEngine(f"sim{i}", self.cost, seed=config.seed, clock=self.clock,
                                   output_lengths=OutputLengths(config.output_mean),
                                   enable_prefix_cache=config.engine_prefix_cache,
-                                  shared_prefix_attention=shared_prefix_attention) for i in range(config.engines)]
+                                  shared_prefix_attention=shared_prefix_attention,
+                                  local_policy=config.local_policy) for i in range(config.engines)]
         mconf = ManagerConfig(policy=config.policy, latency_cap_tokens=config.latency_cap_tokens,
                               throughput_cap_tokens=config.throughput_cap_tokens or self.cost.kv_cache_tokens,
                               prefix_sharing=config.prefix_sharing, engine_heartbeat_s=5.0,

@@ -6,7 +6,8 @@ the model) and ``max_num_seqs`` (running ops):
     plan = [ decode ops (1 token each) | running prefills (chunks) | newly admitted ops (chunks) ]
 
 Order of service: running ops first (decodes before prefill chunks, each group by arrival), then admission
-of waiting ops in FCFS order. Admission also respects ``token_cap`` (the global scheduler's placement hint,
+of waiting ops in the local policy's order (:mod:`parrot.engine.scheduler.local_policy`: FCFS, or Preble's
+priority groups by cached-token ratio). Admission also respects ``token_cap`` (the global scheduler's placement hint,
 see ``EngineClient.set_token_cap``): while anything runs, a waiting op is admitted only if the running ops'
 contexts plus its own stay within the cap. KV blocks are allocated for exactly the tokens scheduled. When the pool is
 short it first evicts the KV of idle contexts (least recently used), then preempts the most recently
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from parrot.engine.context import Context, Op, OpStatus
 from parrot.engine.kv_cache.block_pool import BlockPool
 from parrot.engine.kv_cache.manager import KVManager
+from parrot.engine.scheduler.local_policy import LOCAL_POLICIES, admission_order
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,14 @@ class TooLargeForPool(Exception):
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_num_seqs: int, max_batch_tokens: int) -> None:
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_batch_tokens: int, *, local_policy: str = "fcfs",
+                 priority_groups: int = 10) -> None:
+        if local_policy not in LOCAL_POLICIES:
+            raise ValueError(f"local_policy must be one of {LOCAL_POLICIES}, got {local_policy!r}")
+        if priority_groups < 1:
+            raise ValueError(f"priority_groups must be >= 1, got {priority_groups!r}")
+        self.local_policy = local_policy
+        self.priority_groups = priority_groups
         self.kv = KVManager(pool)
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
@@ -86,6 +95,14 @@ class Scheduler:
 
     def forget(self, ctx: Context) -> None:
         self.idle_contexts.pop(ctx.id, None)
+
+    def cached_tokens(self, op: Op) -> int:
+        """Tokens of ``op``'s context with KV now: computed, or in the prefix cache for its next full blocks."""
+        ctx, bs = op.ctx, self.kv.block_size
+        have = len(ctx.block_table)
+        if ctx.num_computed != have * bs or len(ctx.tokens) // bs <= have:
+            return ctx.num_computed
+        return have * bs + bs * self.kv.pool.cached_run(ctx.block_hashes(len(ctx.tokens) // bs, bs)[have:])
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
@@ -132,8 +149,11 @@ class Scheduler:
             budget -= chunk.num_tokens
 
         running_tokens = sum(len(o.ctx.tokens) for o in self.running)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            op = self.waiting[0]
+        order = admission_order(self.waiting, self.local_policy, self.priority_groups, self.cached_tokens) \
+            if self.waiting and budget > 0 and len(self.running) < self.max_num_seqs else []
+        for op in order:
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
             if op in preempted:  # do not re-admit in the same iteration it was preempted
                 break
             if self.token_cap is not None and self.running and running_tokens + len(op.ctx.tokens) > self.token_cap:
@@ -144,7 +164,7 @@ class Scheduler:
             chunk = self._plan_op(op, budget, may_preempt=False, preempted=preempted)
             if chunk is None:
                 break  # FCFS: the head waits for memory
-            self.waiting.pop(0)
+            self.waiting.remove(op)
             op.set_status(OpStatus.RUNNING)
             self.running.append(op)
             running_tokens += len(op.ctx.tokens)

@@ -1,6 +1,8 @@
 """Global scheduling policies, selectable per server (``parrot serve --policy NAME``).
 
-``parrot`` is the paper's application-centric Algorithm 1; ``fifo-latency`` and ``fifo-throughput`` are the
+``parrot`` is the paper's application-centric Algorithm 1 (with Preble's E2 for requests without Semantic-Variable
+structure); ``e2`` is Preble's E2 for every request (prefix-aware by token ids, :mod:`.e2`); ``round-robin`` is
+the data-parallel baseline of Preble §5.2; ``fifo-latency`` and ``fifo-throughput`` are the
 request-centric baselines of §8.1 (same code path, FIFO + least-queue + one token cap); ``least-loaded``
 dispatches at once without caps.
 """
@@ -26,13 +28,16 @@ from parrot.manager.policies.base import (
     QueuedRequest,
     WorkKind,
 )
-from parrot.manager.policies.baseline import FifoPolicy, LeastLoadedPolicy
+from parrot.manager.policies.baseline import FifoPolicy, LeastLoadedPolicy, RoundRobinPolicy
+from parrot.manager.policies.e2 import AppCentricWithE2, E2Config, E2Policy
 
 _FACTORIES: dict[str, Callable[[CapacityConfig], Policy]] = {
-    "parrot": lambda caps: AppCentricPolicy(caps),
+    "parrot": lambda caps: AppCentricWithE2(caps),
     "fifo-latency": lambda caps: FifoPolicy(caps.latency_cap_tokens, name="fifo-latency"),
     "fifo-throughput": lambda caps: FifoPolicy(caps.throughput_cap_tokens, name="fifo-throughput"),
     "least-loaded": lambda caps: LeastLoadedPolicy(),
+    "e2": lambda caps: E2Policy(),
+    "round-robin": lambda caps: RoundRobinPolicy(),
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)
 
@@ -46,7 +51,7 @@ def make_policy(name: str, caps: CapacityConfig | None = None) -> Policy:
 
 
 __all__ = [
-    "POLICY_NAMES", "AppCentricPolicy", "CapacityConfig", "ClusterView", "Demand", "DispatchRequest", "EngineLoad",
+    "POLICY_NAMES", "AppCentricPolicy", "AppCentricWithE2", "E2Config", "E2Policy", "RoundRobinPolicy", "CapacityConfig", "ClusterView", "Demand", "DispatchRequest", "EngineLoad",
     "EngineView", "FifoPolicy", "LeastLoadedPolicy", "Occupancy", "PerRequestPolicy", "Placement", "PlacedRequest",
     "Policy", "PrefixLookup", "QueuedRequest", "WorkKind", "make_policy",
 ]

@@ -33,7 +33,7 @@ from __future__ import annotations
 import abc
 import enum
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from parrot.common.perf import PerfCriteria
 from parrot.common.step_cost import StepCost
@@ -52,6 +52,8 @@ class DispatchRequest:
     max_new_tokens: int = 0
     perf: PerfCriteria | None = None
     prefix_hashes: tuple[str, ...] = ()  # PrefixHash at each known boundary, in prompt order (chained)
+    # the prompt's token ids when known (OpenAI completions): what Preble's E2 matches in its radix tree
+    prompt_token_ids: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
 
     @property
     def tokens(self) -> int:

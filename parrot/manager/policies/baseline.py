@@ -85,3 +85,19 @@ class LeastLoadedPolicy(PerRequestPolicy):
                 if holder.inflight_requests <= best.inflight_requests + self.affinity_slack:
                     return holder.name
         return best.name
+
+
+class RoundRobinPolicy(PerRequestPolicy):
+    """Data-parallel round robin (Preble §5.2's SGLang/vLLM baseline): each request goes to the next candidate in
+    name order after the engine the previous request got; each engine keeps its own prefix cache."""
+
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._last: str | None = None
+
+    def choose(self, request: DispatchRequest, candidates: Sequence[EngineLoad]) -> str:
+        names = sorted(c.name for c in candidates)
+        pick = next((n for n in names if self._last is not None and n > self._last), names[0])
+        self._last = pick
+        return pick
