@@ -3,6 +3,8 @@ states, eviction notices, round-robin and the policy-name plumbing."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from parrot.common.step_cost import StepCost
@@ -121,9 +123,12 @@ def test_load_cost_L_is_history_prefill_plus_decode():
     p = E2Policy(OFF)
     c = view()
     p.choose(req("r1", seq(0, 200), out=40), ["a"], c)
-    # one request: prefill 200 missed tokens + 40 decode steps at context 200 + 20
-    expect = 200 * COST.prefill_token_s + 40 * (COST.decode_row_s + COST.decode_ctx_s * 220)
+    # one request: prefill 200 missed tokens + 40 decode iterations of it at context 200 + 20 (the paper's DT_r)
+    expect = 200 * COST.prefill_token_s + 40 * (COST.base_s + COST.decode_row_s + COST.decode_ctx_s * 220)
     assert p.load(c, "a") == pytest.approx(expect)
+    marginal = E2Policy(replace(OFF, decode_cost="marginal"))  # what one more row adds to iterations run anyway
+    marginal.choose(req("r1", seq(0, 200), out=40), ["a"], c)
+    assert marginal.load(c, "a") == pytest.approx(expect - 40 * COST.base_s)
     assert p.load(c, "b") == 0.0
     p.sync(view(now=100.0))  # outside the window (60 s): forgotten
     assert p.load(c, "a") == 0.0
@@ -267,6 +272,8 @@ def test_policy_names_and_config():
         ManagerConfig(policy="e3")
     with pytest.raises(ValueError):
         E2Config(th_bal=0.5)
+    with pytest.raises(ValueError):
+        E2Config(decode_cost="free")
 
 
 def test_cli_accepts_policy_e2():
@@ -282,9 +289,9 @@ def test_parrot_policy_sends_unstructured_requests_to_e2():
     q = [QueuedRequest(i, req(f"u{i}", SYS + seq(100 * i, 10)), SchedInfo(app_order=float(i)), float(i), ("a", "b"))
          for i in range(3)]
     out = pol.place(q, c)
-    assert len(out) == 3 and len({p.engine for p in out}) == 1  # one prefix: exploited on one engine
-    assert pol.e2.counts.get("exploit") == 2
+    assert len(out) == 3 and out[0].engine == out[1].engine  # one prefix: exploited on the engine holding it
+    assert pol.e2.counts == {"explore": 1, "exploit": 1, "rebalance": 1}  # the third: two in the window, b idle
     structured = QueuedRequest(9, DispatchRequest("s", session_id="s1", prompt_tokens=10, max_new_tokens=5),
                                SchedInfo(app_order=9.0), 9.0, ("a", "b"))
     assert [p.ticket for p in pol.place([structured], c)] == [9]
-    assert pol.e2.counts.get("exploit") == 2  # not counted by E2
+    assert sum(pol.e2.counts.values()) == 3  # not counted by E2

@@ -1,10 +1,15 @@
-"""Preble experiments: E2 vs round-robin vs least-loaded on simulated engines, the ablation, and the global
-scheduler's decision speed.
+"""Preble experiments: E2 vs round-robin vs least-loaded on real engines and on simulated ones, the ablation, and
+the global scheduler's decision speed.
 
+    python -m parrot.bench.preble_bench real [--engines 2] [--kv-tokens 2048] [--workloads toolbench,...]
+                                             [--rates R1,R2 (default: per workload)] [--requests 20] [--scale 0.1]
     python -m parrot.bench.preble_bench speed [--requests 6000] [--engines 8]
     python -m parrot.bench.preble_bench sim [--engines 4] [--cost-model llama7b-a6000] [--workloads toolbench,...]
                                             [--rates 2,4,8] [--requests 300] [--pattern poisson|bursty]
     python -m parrot.bench.preble_bench ablation [--engines 4] [--rate 8] [--requests 400]
+
+``real`` (:mod:`parrot.bench.preble_real`) runs the workloads scaled down on `parrot engine` processes (one torch
+thread each, a small KV pool) behind one manager per policy. ``--json PATH`` saves any mode's results.
 
 ``sim`` runs each workload of :mod:`parrot.sim.preble_workloads` through the real manager (OpenAI completion path,
 no declared structure) over N simulated engines, one fresh virtual cluster per (policy, rate), and prints mean /
@@ -15,13 +20,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import logging
 import math
+import os
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
-from parrot.bench.report import format_table
+from parrot.bench.report import format_conditions, format_table, save_json
 from parrot.common.step_cost import StepCost
 from parrot.manager.policies import E2Config, E2Policy
 from parrot.manager.policies.base import ClusterView, DispatchRequest, EngineView, QueuedRequest
@@ -58,34 +68,45 @@ def run_one(name: str, n: int, rate: float, config: ClusterConfig, *, policy=Non
             pol = cluster.manager.dispatcher.policy
             e2 = pol if isinstance(pol, E2Policy) else getattr(pol, "e2", None)
             return {"mean": statistics.mean(lat), "p99": p99(lat), "busy": [s["busy_s"] for s in stats.values()],
+                    "evicted_blocks": sum(e.pool.num_evicted for e in cluster.engines),
+                    "preemptions": sum(s["preemptions"] for s in stats.values()),
                     "hit_blocks": sum(s["prefix_hit_blocks"] for s in stats.values()),
                     "tokens": sum(s["tokens"] for s in stats.values()),
-                    "decisions": dict(e2.counts) if e2 is not None else {}}
+                    "decisions": dict(e2.counts) if e2 is not None else {},
+                    "notices_applied": e2.notices_applied if e2 is not None else 0}
 
     return run_virtual(main())
 
 
-def sim(args) -> str:
+def _decisions(r: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(r["decisions"].items()))
+
+
+def sim(args) -> tuple[str, dict]:
     base = ClusterConfig(engines=args.engines, cost_model=args.cost_model, seed=args.seed, latency_ms=(0.0, 0.0),
                          kv_cache_tokens=args.kv_tokens)
     policies = ("e2", "round-robin", "least-loaded")
-    out = []
+    out, data = [], []
     for name in args.workloads.split(","):
         rows = []
         for rate in (float(r) for r in args.rates.split(",")):
             res = {p: run_one(name, args.requests, rate, replace(base, policy=p), pattern=args.pattern, seed=args.seed)
                    for p in policies}
+            data.append({"workload": name, "rate": rate, "policies": res})
             e2 = res["e2"]
             rows.append([f"{rate:g} req/s"] + [res[p][k] for p in policies for k in ("mean", "p99")]
                         + [res["round-robin"]["mean"] / e2["mean"], res["round-robin"]["p99"] / e2["p99"],
                            res["least-loaded"]["mean"] / e2["mean"], res["least-loaded"]["p99"] / e2["p99"],
-                           ", ".join(f"{k} {v}" for k, v in sorted(e2["decisions"].items()))])
+                           "/".join(str(res[p]["evicted_blocks"]) for p in policies),
+                           "/".join(str(res[p]["preemptions"]) for p in policies),
+                           f"{_decisions(e2)}; notices {e2['notices_applied']}"])
         out.append(format_table(
             ["rate", "e2 mean s", "e2 p99 s", "rr mean s", "rr p99 s", "ll mean s", "ll p99 s",
-             "rr/e2 mean", "rr/e2 p99", "ll/e2 mean", "ll/e2 p99", "e2 decisions"], rows,
+             "rr/e2 mean", "rr/e2 p99", "ll/e2 mean", "ll/e2 p99", "evicted blk e2/rr/ll", "preempt e2/rr/ll",
+             "e2 decisions"], rows,
             title=f"[Preble Fig. 7 analogue] {name}: {args.requests} requests ({args.pattern}), {args.engines}x "
                   f"{args.cost_model} (sim), KV {args.kv_tokens or 'cost model'} tokens/engine, seed {args.seed}"))
-    return "\n\n".join(out)
+    return "\n\n".join(out), {"runs": data}
 
 
 ABLATION = (
@@ -97,22 +118,64 @@ ABLATION = (
 )
 
 
-def ablation(args) -> str:
+def ablation(args) -> tuple[str, dict]:
     base = ClusterConfig(engines=args.engines, cost_model=args.cost_model, seed=args.seed, latency_ms=(0.0, 0.0),
                          kv_cache_tokens=args.kv_tokens)
-    rows = []
+    rows, data = [], []
     ref = None
     for label, pol, cfg, local in ABLATION:
         obj = E2Policy(cfg) if cfg is not None else None
         r = run_one("toolbench", args.requests, args.rate, replace(base, policy=pol, local_policy=local), policy=obj,
                     pattern=args.pattern, seed=args.seed)
+        data.append({"variant": label, **r})
         ref = ref or r
-        rows.append([label, r["mean"], r["p99"], ref["mean"] / r["mean"], ref["p99"] / r["p99"],
-                     ", ".join(f"{k} {v}" for k, v in sorted(r["decisions"].items()))])
-    return format_table(["variant", "mean s", "p99 s", "rr/variant mean", "rr/variant p99", "decisions"], rows,
-                        title=f"[Preble §5.4 ablation] toolbench Zipf-1.1, {args.requests} requests at {args.rate:g}/s "
-                              f"({args.pattern}), {args.engines}x {args.cost_model} (sim), KV "
+        rows.append([label, r["mean"], r["p99"], ref["mean"] / r["mean"], ref["p99"] / r["p99"], r["evicted_blocks"],
+                     r["preemptions"], _decisions(r)])
+    text = format_table(["variant", "mean s", "p99 s", "rr/variant mean", "rr/variant p99", "evicted blk",
+                         "preempt", "decisions"], rows,
+                        title=f"[Preble §5.4 ablation] toolbench Zipf-1.1, {args.requests} requests at "
+                              f"{args.rate:g}/s ({args.pattern}), {args.engines}x {args.cost_model} (sim), KV "
                               f"{args.kv_tokens or 'cost model'} tokens/engine, seed {args.seed}")
+    return text, {"variants": data}
+
+
+REAL_RATES = {  # req/s per workload on 2 engines (one thread each, AVX2 EPYC): a light and a heavy load
+    "toolbench": (0.75, 1.5), "embodied": (0.75, 1.5), "programming": (0.5, 1.0), "videoqa": (0.75, 1.5),
+    "loogle": (0.75, 1.5),
+}
+
+
+def real(args) -> tuple[str, dict]:
+    from parrot.bench.machine import describe_cpu
+    from parrot.bench.preble_real import RealConfig, report, run_all
+
+    cfg = RealConfig(engines=args.engines, kv_tokens=args.kv_tokens or RealConfig.kv_tokens,
+                     scale=args.scale, requests=args.requests or RealConfig.requests, model=args.model,
+                     seed=args.seed, local_policy=args.local_policy)
+    names = args.workloads.split(",")
+    rates = {n: [float(r) for r in args.rates.split(",")] if args.rates else list(REAL_RATES[n]) for n in names}
+    data = run_all(cfg, rates, Path(args.out))
+    conditions = {"date": datetime.date.today().isoformat(), "code": _commit(), **describe_cpu(),
+                  "cores": os.cpu_count(), "model": data["model"], "engines per cluster": cfg.engines,
+                  "engine threads": 1, "KV per engine": f"{data['kv_blocks_per_engine']} blocks x "
+                  f"{data['block_size']} = {data['kv_blocks_per_engine'] * data['block_size']} tokens",
+                  "engine wait queue": cfg.local_policy, "prompt scale": cfg.scale,
+                  "outputs": f"x{cfg.out_scale}, at most {cfg.max_out}", "requests per run": cfg.requests,
+                  "rates": "; ".join(f"{n} {'/'.join(f'{r:g}' for r in rs)} req/s" for n, rs in rates.items()),
+                  "startup + warm-up s": round(data["startup_s"], 1), "total s": round(data["total_s"], 1)}
+    data["conditions"] = conditions
+    return format_conditions(conditions) + "\n\n" + report(data), data
+
+
+def _commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=Path(__file__).parent).stdout.strip()
+        return head + (" + uncommitted changes" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def speed(args) -> str:
@@ -140,29 +203,42 @@ def speed(args) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("speed", "sim", "ablation"))
-    ap.add_argument("--engines", type=int, default=4)
+    ap.add_argument("what", choices=("real", "speed", "sim", "ablation"))
+    ap.add_argument("--engines", type=int, default=None, help="engines (default: 2 real, 4 sim, 8 speed)")
     ap.add_argument("--cost-model", default="llama7b-a6000")
-    ap.add_argument("--kv-tokens", type=int, default=None, help="KV pool per engine (default: the cost model's)")
+    ap.add_argument("--kv-tokens", type=int, default=None,
+                    help="KV pool per engine (default: real 2048, sim the cost model's)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
-    ap.add_argument("--rates", default="2,4,8")
-    ap.add_argument("--rate", type=float, default=8.0)
-    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--rates", default=None, help="req/s list (default: sim 2,4,8; real per workload)")
+    ap.add_argument("--rate", type=float, default=None, help="ablation: req/s (default 8); speed: virtual arrivals")
+    ap.add_argument("--requests", type=int, default=None, help="default: real 20 per run, sim 300, speed 6000")
     ap.add_argument("--pattern", default="poisson", choices=("poisson", "bursty"))
     ap.add_argument("--window-s", type=float, default=60.0)
+    ap.add_argument("--scale", type=float, default=0.1, help="real: prompt sizes x this")
+    ap.add_argument("--local-policy", default="fcfs", choices=("fcfs", "preble"), help="real: engines' wait queue")
+    ap.add_argument("--model", default=None, help="real: engine model (default: SmolLM2-135M)")
+    ap.add_argument("--out", default="bench_out", help="real: engine logs go here")
+    ap.add_argument("--json", default=None, help="save the results as JSON here")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    args.engines = args.engines or {"real": 2, "speed": 8}.get(args.what, 4)
     if args.what == "speed":
-        if args.requests == 300:
-            args.requests = 6000
-        if args.rate == 8.0:
-            args.rate = 3000.0
-        print(speed(args))
-    elif args.what == "sim":
-        print(sim(args))
+        args.requests = args.requests or 6000
+        args.rate = args.rate or 3000.0
+        text, data = speed(args), None
+    elif args.what == "real":
+        text, data = real(args)
     else:
-        print(ablation(args))
+        args.requests = args.requests or (300 if args.what == "sim" else 400)
+        args.rates = args.rates or "2,4,8"
+        args.rate = args.rate or 8.0
+        text, data = sim(args) if args.what == "sim" else ablation(args)
+    print(text)
+    if args.json and data is not None:
+        save_json(args.json, {"command": "python -m parrot.bench.preble_bench " + " ".join(argv or sys.argv[1:]),
+                              "args": vars(args), **data})
+        print(f"saved {args.json}")
 
 
 if __name__ == "__main__":

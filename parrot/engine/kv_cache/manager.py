@@ -106,19 +106,27 @@ class KVManager:
         blocks taken (their tokens count as computed). Only at a block boundary with nothing allocated ahead, so
         matched blocks extend the table directly; the installed match limit (:meth:`set_match_limit`) may take
         fewer."""
+        n = self.prefix_hit_blocks(ctx)
+        if not n:
+            return NO_BLOCKS
+        table, bs = ctx.block_table, self.block_size
+        hit = tuple(self.pool.match(ctx.block_hashes(len(table) + n, bs)[len(table):]))
+        assert len(hit) == n, "the cached run changed between prefix_hit_blocks and match"
+        table += hit
+        _write(ctx, table, len(table) * bs, len(table))
+        return KVBlocks(hit)
+
+    def prefix_hit_blocks(self, ctx: Context) -> int:
+        """How many blocks :meth:`match_prefix` would take for ``ctx`` now (the cached run of its next full blocks,
+        cut by the match limit); changes nothing. The scheduler's local policy reads it to rank waiting ops."""
         table, bs = ctx.block_table, self.block_size
         have = len(table)
         if ctx.num_computed != have * bs or len(ctx.tokens) // bs <= have:
-            return NO_BLOCKS
-        hashes = ctx.block_hashes(len(ctx.tokens) // bs, bs)[have:]
-        if self._match_limit is not None:
-            run = self.pool.cached_run(hashes)
-            hashes = hashes[: max(0, min(run, self._match_limit(ctx, have, run)))]
-        hit = tuple(self.pool.match(hashes))
-        if hit:
-            table += hit
-            _write(ctx, table, len(table) * bs, len(table))
-        return KVBlocks(hit)
+            return 0
+        run = self.pool.cached_run(ctx.block_hashes(len(ctx.tokens) // bs, bs)[have:])
+        if run and self._match_limit is not None:
+            run = max(0, min(run, self._match_limit(ctx, have, run)))
+        return run
 
     def uncompute_tail(self, ctx: Context) -> None:
         """Make the last computed token of a context uncomputed again (it must be re-run for its logits); the

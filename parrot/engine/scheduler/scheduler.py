@@ -97,12 +97,9 @@ class Scheduler:
         self.idle_contexts.pop(ctx.id, None)
 
     def cached_tokens(self, op: Op) -> int:
-        """Tokens of ``op``'s context with KV now: computed, or in the prefix cache for its next full blocks."""
-        ctx, bs = op.ctx, self.kv.block_size
-        have = len(ctx.block_table)
-        if ctx.num_computed != have * bs or len(ctx.tokens) // bs <= have:
-            return ctx.num_computed
-        return have * bs + bs * self.kv.pool.cached_run(ctx.block_hashes(len(ctx.tokens) // bs, bs)[have:])
+        """Tokens of ``op``'s context with KV now: computed, plus the cached blocks admission would take for it
+        (what ``KVManager.match_prefix`` takes, match limit included: a prompt-logprob fill may take fewer)."""
+        return op.ctx.num_computed + self.kv.block_size * self.kv.prefix_hit_blocks(op.ctx)
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)

@@ -18,8 +18,12 @@ One decision (:meth:`E2Policy.choose`) for a prompt of ``n`` tokens::
 
 Costs (seconds, from the engine's fitted :class:`~parrot.common.step_cost.StepCost`, else DEFAULT_COST):
 
-* L = sum over the engine's requests in the window of PREFILL(missed tokens) + DECODE(average output length),
-  DECODE(k) = k * (decode_row_s + decode_ctx_s * average context): the marginal step time of one more row;
+* L = sum over the engine's requests in the window of PREFILL(missed tokens) + DECODE(average output length).
+  DECODE(k) (``E2Config.decode_cost``): ``request`` (default, the paper's DT_r: a request's decoding time) =
+  k * (base_s + decode_row_s + decode_ctx_s * average context), the time of k decode iterations of it alone;
+  ``marginal`` = k * (decode_row_s + decode_ctx_s * average context), what one more row adds to iterations that
+  run anyway (batching taken as free: on a 1-thread CPU engine this hides most of a request's decode time, and
+  E2 piles decode-heavy requests onto the engine holding their prefix);
 * M = sum over the nodes the engine's LRU would evict to make room for the missed tokens (emulated on the tree)
   of PREFILL(node tokens) * requests of the window sharing the node there;
 * P = PREFILL(missed tokens of this request on the engine).
@@ -39,6 +43,7 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from parrot.common.step_cost import StepCost
 from parrot.engine.kv_cache.block_pool import chain_hashes
@@ -67,7 +72,7 @@ DEFAULT_COST = StepCost(base_s=0.025, decode_row_s=1.45e-4, decode_ctx_s=1.37e-6
 class E2Config:
     window_s: float = 60.0  # W (tree hits) and H (load history, hot-prefix windows), seconds
     th_bal: float = 1.5  # rebalance when the heaviest engine's load exceeds th_bal x the lightest's
-    min_window_requests: int = 8  # rebalancing / replication need this many requests in the window
+    min_window_requests: int = 2  # rebalancing / replication need this many requests in the window
     rebalance: bool = True
     replicate: bool = True
     hot_factor: float = 2.0  # a key node is hot when its mean queueing estimate grows this much over a window
@@ -76,6 +81,7 @@ class E2Config:
     decode_unit_cached: float = 0.8  # a request with this share of its prompt cached is a decode unit
     decode_ratio: float = 0.8  # IMBALR: an engine with more decode units than this share takes explorations
     emulate_lru: bool = True  # evict on the tree when an engine's held tokens exceed its KV capacity
+    decode_cost: Literal["request", "marginal"] = "request"  # DECODE(k) in L (see the module docstring)
 
     def __post_init__(self) -> None:
         if not self.window_s > 0:
@@ -84,6 +90,8 @@ class E2Config:
             raise ValueError(f"th_bal must be >= 1, got {self.th_bal!r}")
         if not self.hot_factor > 1:
             raise ValueError(f"hot_factor must be > 1, got {self.hot_factor!r}")
+        if self.decode_cost not in ("request", "marginal"):
+            raise ValueError(f"decode_cost must be request or marginal, got {self.decode_cost!r}")
         for name in ("decode_unit_cached", "decode_ratio"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
@@ -150,6 +158,8 @@ class E2Policy(Policy):
         self._round: dict[str, float] = {}  # per-round cache of queueing estimates
         self.last: Decision | None = None
         self.counts: dict[str, int] = {}  # decisions by kind
+        self.notices_applied = 0  # eviction notices that named new evictions (after each engine's baseline)
+        self.notice_tokens_dropped = 0  # tree tokens those notices dropped (engine, node) pairs for
 
     # ---- Policy ---------------------------------------------------------------------------------------------
     def demand(self, request: DispatchRequest, info: SchedInfo, group_tokens: int,
@@ -205,7 +215,10 @@ class E2Policy(Policy):
         self._notice_seq[engine] = seq
         if last is None or seq <= last:  # the first notice only sets the baseline (nothing was registered yet)
             return 0
-        return self._drop_blocks(engine, hashes[-(seq - last):])
+        dropped = self._drop_blocks(engine, hashes[-(seq - last):])
+        self.notices_applied += 1
+        self.notice_tokens_dropped += dropped
+        return dropped
 
     def _drop_blocks(self, engine: str, hashes: Sequence[int]) -> int:
         dropped = 0
@@ -228,7 +241,8 @@ class E2Policy(Policy):
         c = self.cost_of(cluster, engine)
         n = len(h.items)
         avg_out, avg_ctx = h.out / n, h.ctx / n
-        return c.prefill_token_s * h.missed + n * avg_out * (c.decode_row_s + c.decode_ctx_s * avg_ctx)
+        step = c.decode_row_s + c.decode_ctx_s * avg_ctx + (c.base_s if self.config.decode_cost == "request" else 0.0)
+        return c.prefill_token_s * h.missed + n * avg_out * step
 
     def eviction_cost(self, cluster: ClusterView, engine: str, missed: int, keep: Sequence[Node]) -> float:
         """M: recomputation of what the engine's LRU would evict to hold ``missed`` more tokens, times the requests
