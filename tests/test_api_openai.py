@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from parrot.api import ServerSettings, create_app
 from fakes import CHAT_TEMPLATE, TAIL, FakeEngine
+from servers import serve
 
 KEY = "sk-test"
 
@@ -20,25 +18,9 @@ KEY = "sk-test"
 @pytest.fixture(scope="module")
 def server():
     engine = FakeEngine(max_model_len=256)
-    app = create_app(ServerSettings(api_key=KEY, engine_heartbeat_s=0), [engine])
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    for _ in range(400):
-        if srv.started:
-            break
-        time.sleep(0.025)
-    assert srv.started, "uvicorn did not start"
-    try:
-        yield f"http://127.0.0.1:{port}", engine
-    finally:
-        srv.should_exit = True
-        thread.join(15)
-        sock.close()
-        assert engine.contexts == {}  # every context freed by the end
+    with serve(create_app(ServerSettings(api_key=KEY, engine_heartbeat_s=0), [engine])) as url:
+        yield url, engine
+    assert engine.contexts == {}  # every context freed by the end
 
 
 @pytest.fixture()

@@ -5,15 +5,12 @@ on the default model is scripts/lm_eval_check.sh."""
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 
 import pytest
-import uvicorn
 
 from parrot.api import ServerSettings, create_app
 from fakes import FakeEngine
+from servers import serve
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("tenacity")
@@ -21,23 +18,8 @@ pytest.importorskip("tenacity")
 
 @pytest.fixture(scope="module")
 def base_url():
-    app = create_app(ServerSettings(engine_heartbeat_s=0), [FakeEngine(max_model_len=512)])
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    for _ in range(400):
-        if srv.started:
-            break
-        time.sleep(0.025)
-    assert srv.started
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        srv.should_exit = True
-        thread.join(15)
-        sock.close()
+    with serve(create_app(ServerSettings(engine_heartbeat_s=0), [FakeEngine(max_model_len=512)])) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
