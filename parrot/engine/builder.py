@@ -58,7 +58,7 @@ def _assemble(settings: EngineSettings, model, tokenizer, thread: EngineThread) 
     dtype = _DTYPES[plan.dtype]
     kernels = MatmulKernels.for_plan(plan, settings.device, dtype)
     if model is None and settings.random_model == "tiny":
-        from parrot.engine.models.llama import build_random_model
+        from parrot.engine.models.assembly import build_random_model
         from parrot.engine.tokenizer import load_tokenizer
 
         # dense weights as ever on the bf16 / torch paths; the integer-dot paths run their kernel (Q8_0 planes)
@@ -67,7 +67,7 @@ def _assemble(settings: EngineSettings, model, tokenizer, thread: EngineThread) 
                                    kernels=kernels)
         tokenizer = load_tokenizer(resolve_model_path(None))
     if model is None:
-        from parrot.engine.models.llama import load_model
+        from parrot.engine.models.assembly import load_model
         from parrot.engine.tokenizer import load_tokenizer
 
         path = resolve_model_path(settings.model)

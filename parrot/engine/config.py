@@ -5,10 +5,16 @@ Both sources are normalized to one shape, so the model and the runner never look
     GGUF  : general.architecture + ``{arch}.*`` keys, tokenizer.ggml.* special ids, tensor names
     HF dir: config.json (+ generation_config.json for extra EOS ids)
 
+The model family (parrot.engine.models.registry: one small module per family) is chosen from
+``general.architecture`` / ``model_type``; it adds its own fields (QKV bias, QK-norm, sliding windows, soft-caps,
+...) on top of the common ones read here. An architecture no family claims fails here, naming it.
+
 RoPE scaling is normalized to a small dict ``{"type": ..., <parameters>}`` whose types are
 ``linear`` (positions divided by ``factor``), ``llama3`` (Llama 3.1 frequency smoothing), ``yarn`` and
 ``freq_factors`` (llama.cpp bakes llama3-style scaling into a ``rope_freqs`` tensor of per-frequency divisors;
-we carry the divisors). Anything else is rejected here with a ValueError naming the type.
+we carry the divisors) and ``longrope`` (Phi-3: per-frequency divisors ``short_factor`` for positions below
+``original_max_position_embeddings``, ``long_factor`` from there on, cos/sin times ``attention_factor``).
+Anything else is rejected here with a ValueError naming the type.
 """
 
 from __future__ import annotations
@@ -22,8 +28,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from parrot.engine.gguf_file import GGUFFile
 
-SUPPORTED_ARCHS = ("llama",)
-SUPPORTED_ROPE_TYPES = ("linear", "llama3", "yarn", "freq_factors")
+from parrot.engine.models.registry import FAMILIES, family_for_gguf, family_for_hf
+
+SUPPORTED_ARCHS = tuple(FAMILIES)
+LAYER_TYPES = ("full", "sliding")
+ACTIVATIONS = ("silu", "gelu_tanh")
+SUPPORTED_ROPE_TYPES = ("linear", "llama3", "yarn", "freq_factors", "longrope")
 _GGUF_MAGIC = b"GGUF"
 
 
@@ -45,6 +55,18 @@ class ModelConfig:
     tie_word_embeddings: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # ---- family features (defaults: plain LLaMA) ----
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each q / k head before RoPE (Qwen3, Gemma-3)
+    hidden_act: str = "silu"  # the gated MLP's activation: silu (SwiGLU) or gelu_tanh (GeGLU, Gemma)
+    sandwich_norms: bool = False  # extra norms on the attention and MLP outputs before the residual add (Gemma-2/3)
+    embedding_scale: float | None = None  # embeddings multiplied by this (Gemma: sqrt(hidden_size))
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (None: head_dim)
+    attn_logit_softcap: float | None = None  # scores = cap * tanh(scores / cap) (Gemma-2)
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap) (Gemma-2)
+    sliding_window: int | None = None  # a "sliding" layer attends to its last ``sliding_window`` tokens (self incl.)
+    layer_types: tuple[str, ...] | None = None  # per layer "full" | "sliding" (None: all full)
+    local_rope_theta: float | None = None  # RoPE base of sliding layers, unscaled (Gemma-3); None: rope_theta
 
     def __post_init__(self) -> None:
         for field_name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -58,6 +80,14 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
         if self.arch not in SUPPORTED_ARCHS:
             raise ValueError(f"unsupported model architecture {self.arch!r}; supported: {SUPPORTED_ARCHS}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"ModelConfig.hidden_act must be one of {ACTIVATIONS}, got {self.hidden_act!r}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+                raise ValueError(f"ModelConfig.layer_types must name {LAYER_TYPES} once per layer "
+                                 f"({self.num_layers}), got {self.layer_types!r}")
+            if "sliding" in self.layer_types and not (self.sliding_window or 0) > 0:
+                raise ValueError("ModelConfig.layer_types has sliding layers but sliding_window is not positive")
         validate_rope_scaling(self.rope_scaling)
 
     @property
@@ -68,8 +98,25 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of ``layer`` (None: the whole context)."""
+        sliding = self.layer_types is not None and self.layer_types[layer] == "sliding"
+        return self.sliding_window if sliding else None
+
+    def is_plain_llama(self) -> bool:
+        """True when every layer is LLaMA's (what the native all-layers decode op computes): no family feature."""
+        return (not (self.attention_bias or self.qk_norm or self.sandwich_norms) and self.hidden_act == "silu"
+                and self.attn_logit_softcap is None and self.query_pre_attn_scalar in (None, self.head_dim)
+                and all(self.layer_window(i) is None for i in range(self.num_layers)))
+
     def to_hf_dict(self) -> dict[str, Any]:
-        """This config as an HF ``config.json`` (LlamaForCausalLM), e.g. to write a safetensors dir."""
+        """This config as an HF ``config.json`` (LlamaForCausalLM), e.g. to write a safetensors dir (LLaMA only)."""
+        if self.arch != "llama" or not self.is_plain_llama():
+            raise ValueError(f"to_hf_dict writes plain LLaMA configs, not {self.arch!r}")
         out: dict[str, Any] = {
             "architectures": ["LlamaForCausalLM"], "model_type": "llama", "_name_or_path": self.name,
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
@@ -100,6 +147,7 @@ def validate_rope_scaling(scaling: dict | None) -> None:
         "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
         "yarn": ("factor", "original_max_position_embeddings"),
         "freq_factors": ("factors",),
+        "longrope": ("short_factor", "long_factor", "original_max_position_embeddings", "attention_factor"),
     }[kind]
     missing = [key for key in required if scaling.get(key) is None]
     if missing:
@@ -136,8 +184,7 @@ def read_model_config(path: str) -> ModelConfig:
 # ---- GGUF ----------------------------------------------------------------------------------------------------
 def config_from_gguf(gf: GGUFFile, *, fallback_name: str = "model") -> ModelConfig:
     arch = gf.get("general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {SUPPORTED_ARCHS}")
+    family = family_for_gguf(arch)  # ValueError naming an unknown architecture
 
     def key(name: str, default: Any = None) -> Any:
         return gf.get(f"{arch}.{name}", default)
@@ -158,16 +205,19 @@ def config_from_gguf(gf: GGUFFile, *, fallback_name: str = "model") -> ModelConf
         if value is not None and int(value) not in eos_ids:
             eos_ids.append(int(value))
     bos = gf.get("tokenizer.ggml.bos_token_id")
+    layers = int(key("block_count"))
+    head_dim = int(key("attention.key_length", hidden // heads))
+    extra = family.gguf_fields(key, layers, hidden, heads, head_dim)
     return ModelConfig(
         name=str(gf.get("general.name") or fallback_name),
-        arch=str(arch),
+        arch=family.arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
-        num_layers=int(key("block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=int(key("attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(key("rope.freq_base", 10000.0)),
         rope_scaling=_gguf_rope_scaling(gf, arch),
@@ -175,16 +225,27 @@ def config_from_gguf(gf: GGUFFile, *, fallback_name: str = "model") -> ModelConf
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos_ids),
+        **extra,
     )
 
 
 def _gguf_rope_scaling(gf: GGUFFile, arch: str) -> dict | None:
-    freqs = next((t for t in gf.tensors if t.name == "rope_freqs.weight"), None)
-    if freqs is not None:
-        from gguf.quants import dequantize
+    from gguf.quants import dequantize
 
-        factors = dequantize(gf.raw(freqs), freqs.qtype).reshape(-1)
-        return {"type": "freq_factors", "factors": tuple(float(x) for x in factors)}
+    tensors = {t.name: t for t in gf.tensors}
+
+    def factors(name: str) -> tuple[float, ...]:
+        info = tensors[name]
+        return tuple(float(x) for x in dequantize(gf.raw(info), info.qtype).reshape(-1))
+
+    if "rope_freqs.weight" in tensors:
+        return {"type": "freq_factors", "factors": factors("rope_freqs.weight")}
+    if "rope_factors_long.weight" in tensors:  # Phi-3 longrope (llama.cpp writes the factors as tensors)
+        attn = gf.get(f"{arch}.rope.scaling.attn_factor")
+        return {"type": "longrope", "short_factor": factors("rope_factors_short.weight"),
+                "long_factor": factors("rope_factors_long.weight"),
+                "original_max_position_embeddings": int(gf.get(f"{arch}.rope.scaling.original_context_length")),
+                "attention_factor": 1.0 if attn is None else float(attn)}
     kind = gf.get(f"{arch}.rope.scaling.type")
     factor = gf.get(f"{arch}.rope.scaling.factor")
     if kind is None:
@@ -212,17 +273,17 @@ def _gguf_rope_scaling(gf: GGUFFile, arch: str) -> dict | None:
 
 # ---- HF config.json ------------------------------------------------------------------------------------------
 def config_from_hf(hf: dict, gen: dict | None = None, *, fallback_name: str = "model") -> ModelConfig:
-    model_type = hf.get("model_type", "llama")
-    if model_type not in SUPPORTED_ARCHS:
-        raise ValueError(f"unsupported model_type {model_type!r} in config.json; supported: {SUPPORTED_ARCHS}")
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise ValueError("LLaMA configs with attention_bias/mlp_bias are not supported")
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is supported")
+    family = family_for_hf(hf.get("model_type", "llama"))  # ValueError naming an unknown model_type
+    if hf.get("mlp_bias"):
+        raise ValueError(f"{family.arch} configs with mlp_bias are not supported")
     heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
+    layers = int(hf["num_hidden_layers"])
+    head_dim = int(hf.get("head_dim") or hidden // heads)
+    extra = family.hf_fields(hf, layers, hidden, heads, head_dim)
     rope_params = hf.get("rope_parameters") or {}
+    if "full_attention" in rope_params:  # per layer type (Gemma-3); the sliding layers' base is a family field
+        rope_params = rope_params["full_attention"]
     theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
     eos: list[int] = []
     for source in (hf, gen or {}):
@@ -233,21 +294,23 @@ def config_from_hf(hf: dict, gen: dict | None = None, *, fallback_name: str = "m
     bos = hf.get("bos_token_id")
     return ModelConfig(
         name=str(hf.get("_name_or_path") or fallback_name),
-        arch=str(model_type),
+        arch=family.arch,
         vocab_size=int(hf["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(hf["intermediate_size"]),
-        num_layers=int(hf["num_hidden_layers"]),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or hidden // heads),
+        head_dim=head_dim,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=float(theta),
-        rope_scaling=_hf_rope_scaling(hf.get("rope_scaling") or rope_params),
+        rope_scaling=extra.pop("rope_scaling") if "rope_scaling" in extra else _hf_rope_scaling(
+            hf.get("rope_scaling") or rope_params),
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", family.tied_by_default)),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos),
+        **extra,
     )
 
 

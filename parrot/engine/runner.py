@@ -48,7 +48,9 @@ class ModelRunner:
              torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
             for _ in range(cfg.num_layers)
         ]
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.attention_scale
+        # per layer sliding window / soft-cap of the model's family (models without the attribute: plain causal)
+        self.attention_layers = getattr(model, "attention_layers", None)
         self.shared_prefix_attention = shared_prefix_attention
         self.min_shared_blocks = min_shared_blocks(min_shared_tokens, block_size)
         self.num_shared_prefix_rows = 0  # decode rows served by the shared-prefix path (a metric)
@@ -90,7 +92,7 @@ class ModelRunner:
                 row += c.num_tokens
             attn = PagedAttention(
                 self.kv_caches, torch.tensor(slots, dtype=torch.long, device=dev), groups, prefill_meta, self.scale,
-                self.decode_kernel, self.prefill_kernel,
+                self.decode_kernel, self.prefill_kernel, self.attention_layers,
             )
             hidden = self.model(
                 torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev), attn

@@ -1,9 +1,21 @@
 """Tokenizer (``tokenizers`` library) from GGUF metadata or an HF dir's tokenizer.json, plus chat templates and
 streaming detokenization. No transformers at runtime.
 
-GGUF (``tokenizer.ggml.model == "gpt2"``): byte-level BPE from ``tokens`` + ``merges``; tokens of type CONTROL
-(3) become special added tokens and USER_DEFINED (4) plain added tokens, so e.g. ``<|im_start|>`` in a rendered
-chat template encodes as one id. The pre-tokenizer follows ``tokenizer.ggml.pre`` (llama.cpp's names).
+GGUF ``tokenizer.ggml.model``, per family:
+
+    "gpt2"  (LLaMA-3, SmolLM, Qwen2/3)  byte-level BPE from ``tokens`` + ``merges``; the pre-tokenizer (split regex,
+                                        Qwen's NFC) follows ``tokenizer.ggml.pre`` (llama.cpp's names)
+    "llama" (Mistral, Gemma, Phi-3,     SentencePiece BPE with byte fallback: the merges are recovered from the
+             LLaMA-2)                   vocabulary (a pair merges into a token, ranked by the token's score; Gemma's
+                                        scores do not rank its merges, its file order does), "▁" for spaces
+                                        and, unless ``add_space_prefix`` is false (Gemma), one before the text
+
+Tokens of type CONTROL (3) become special added tokens and USER_DEFINED (4) plain added tokens, so e.g.
+``<|im_start|>`` in a rendered chat template encodes as one id. Stop tokens: the EOS / EOT / EOM ids the file
+names plus, as llama.cpp does, the end-of-turn tokens it recognizes by text (``<|im_end|>``, ``<end_of_turn>``,
+``<|end|>``, ``<|eot_id|>`` ...; not the end-of-document ones). An HF dir's tokenizer.json (any model type) is
+taken as is, with BOS / EOS / chat template from tokenizer_config.json (or chat_template.jinja) and the stop ids
+of config.json / generation_config.json.
 
 Byte-level streaming: every token id maps to a fixed byte string (the inverse of GPT-2's byte->unicode
 alphabet; added tokens map to their UTF-8 content), so decoding a stream is "append bytes, emit what forms
@@ -21,7 +33,7 @@ from datetime import datetime
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from parrot.common.errors import TemplateError
@@ -30,7 +42,14 @@ from parrot.engine.gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)
 
-_TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4
+_TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 3, 4
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_PRES = ("qwen2", "deepseek-r1-qwen")
+# end-of-turn tokens llama.cpp treats as end of generation when the vocabulary has them (llama-vocab.cpp); the
+# end-of-document ones (<|endoftext|>, <|end_of_text|>) stop only when the file names them
+_STOP_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|eom_id|>", "<EOT>", "<|return|>",
+               "<|call|>")
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _LLAMA3_PRES = ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "dbrx")
@@ -54,8 +73,9 @@ def _gguf_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     if pre == "smollm":  # llama.cpp: "\p{N}" then the GPT-2 regex == HF's Digits(individual) + ByteLevel
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    if pre in _LLAMA3_PRES:
-        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+    if pre in _LLAMA3_PRES or pre in _QWEN2_PRES:
+        split = _QWEN2_SPLIT if pre in _QWEN2_PRES else _LLAMA3_SPLIT
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
                                         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     if pre not in _GPT2_PRES:
         logger.warning("GGUF pre-tokenizer %r is not known here; splitting with the GPT-2 regex", pre)
@@ -211,22 +231,12 @@ def load_tokenizer(path: str) -> Tokenizer:
 
 def tokenizer_from_gguf(gf: GGUFFile) -> Tokenizer:
     kind = gf.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported; supported: 'gpt2' (byte-level BPE)")
+    if kind not in _GGUF_BACKENDS:
+        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported; supported: 'gpt2' (byte-level BPE), "
+                         f"'llama' (SentencePiece BPE)")
     tokens: list[str] = gf.get("tokenizer.ggml.tokens")
-    types: list[int] = gf.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges: list[str] = gf.get("tokenizer.ggml.merges") or []
-    pre = gf.get("tokenizer.ggml.pre")
-    spelling = bytes_to_unicode()
-    alphabet = set(spelling.values())
-    # llama.cpp may store added tokens as raw text; the BPE vocabulary must spell them in the byte alphabet
-    vocab = {(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
-             for i, t in enumerate(tokens)}
-    bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
-                     ignore_merges=pre in _LLAMA3_PRES)
-    backend = BackendTokenizer(bpe)
-    backend.pre_tokenizer = _gguf_pre_tokenizer(pre)
-    backend.decoder = decoders.ByteLevel()
+    types: list[int] = gf.get("tokenizer.ggml.token_type") or [_TOKEN_NORMAL] * len(tokens)
+    backend = _GGUF_BACKENDS[kind](gf, tokens, types)
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                 for t, ty in zip(tokens, types) if ty == _TOKEN_CONTROL])
     backend.add_tokens([AddedToken(t, special=False, normalized=False)
@@ -239,11 +249,72 @@ def tokenizer_from_gguf(gf: GGUFFile) -> Tokenizer:
         value = gf.get(f"tokenizer.ggml.{key}")
         if value is not None and int(value) not in eos:
             eos.append(int(value))
+    for i, (t, ty) in enumerate(zip(tokens, types)):
+        if ty in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED) and t in _STOP_TEXTS and i not in eos:
+            eos.append(i)
     bos = gf.get("tokenizer.ggml.bos_token_id")
     add_bos = gf.get("tokenizer.ggml.add_bos_token")
     return Tokenizer(backend, bos_token_id=None if bos is None else int(bos), eos_token_ids=tuple(eos),
                      chat_template=gf.get("tokenizer.chat_template"),
-                     add_bos=bool(add_bos) if add_bos is not None else False, byte_level=True)
+                     add_bos=bool(add_bos) if add_bos is not None else kind == "llama", byte_level=kind == "gpt2")
+
+
+def _byte_level_backend(gf: GGUFFile, tokens: list[str], types: list[int]) -> BackendTokenizer:
+    merges: list[str] = gf.get("tokenizer.ggml.merges") or []
+    pre = gf.get("tokenizer.ggml.pre")
+    spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
+    # llama.cpp may store added tokens as raw text; the BPE vocabulary must spell them in the byte alphabet
+    vocab = {(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
+             for i, t in enumerate(tokens)}
+    bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
+                     ignore_merges=pre in _LLAMA3_PRES)
+    backend = BackendTokenizer(bpe)
+    if pre in _QWEN2_PRES:  # Qwen's tokenizer.json composes text (NFC) before splitting
+        backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = _gguf_pre_tokenizer(pre)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_backend(gf: GGUFFile, tokens: list[str], types: list[int]) -> BackendTokenizer:
+    """SentencePiece BPE (tokenizer.json's form of it: BPE with byte fallback over "▁"-spaced text)."""
+    gemma = str(gf.get("general.architecture", "")).startswith("gemma")
+    if gemma:  # Gemma files spell runs of spaces as spaces; its vocabulary (and text, after Replace) uses U+2581
+        tokens = ["▁" * len(t) if t and not t.strip(" ") else t for t in tokens]
+    scores = gf.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    # which pair merges first: by the merged token's score, or (Gemma) its position in the file
+    rank = {t: -i if gemma else scores[i] for i, t in enumerate(tokens) if types[i] in (_TOKEN_NORMAL,
+                                                                                       _TOKEN_USER_DEFINED)}
+    unk = int(gf.get("tokenizer.ggml.unknown_token_id", 0))
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=_merges_from_vocab(vocab, rank),
+                                          unk_token=tokens[unk], fuse_unk=True, byte_fallback=True))
+    prefix = gf.get("tokenizer.ggml.add_space_prefix")
+    prefix = not gemma if prefix is None else bool(prefix)
+    backend.normalizer = normalizers.Sequence(([normalizers.Prepend("▁")] if prefix else [])
+                                              + [normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                        + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    return backend
+
+
+def _merges_from_vocab(vocab: dict[str, int], rank: dict[str, float]) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece vocabulary implies: every split of a ranked token into two vocabulary
+    tokens, best-ranked token first (ties as transformers' ``generate_merges``: longer pieces first, then the
+    ranked tokens' order, then the pieces' ids)."""
+    found: list[tuple[float, int, int, int, int, str, str]] = []
+    for n, (token, score) in enumerate(rank.items()):
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                found.append((-score, -len(left), -len(right), n, vocab[left] * len(vocab) + vocab[right], left,
+                              right))
+    found.sort()
+    return [(left, right) for *_, left, right in found]
+
+
+_GGUF_BACKENDS = {"gpt2": _byte_level_backend, "llama": _sentencepiece_backend}
 
 
 def _read_json(path: str) -> dict:

@@ -26,6 +26,12 @@ Every layer first writes the new K/V of all T tokens into their slots (one index
     ``causal_prefill`` op (kernels/prefill_attention.cpp: bf16 where the CPU has AVX512-BF16, fp32 where it has
     AVX2), else one SDPA;
     a later chunk gathers its context's blocks and runs SDPA with an explicit causal mask offset by its start.
+
+Per layer (:class:`LayerAttention`, from the model family) attention may also be windowed (a query at position
+p sees keys p - window < k <= p) and soft-capped (scores = cap * tanh(scores / cap)). A window changes nothing
+while a sequence is no longer than it, so the paths above run unchanged until then; past it, and on every
+soft-capped layer, a group or chunk takes the masked path: gather each row's blocks (prefix + own), build the
+causal-and-window mask, and attend with SDPA (window only) or the explicit softmax (soft-capping; fp32 softmax).
 """
 
 from __future__ import annotations
@@ -37,6 +43,29 @@ import torch
 import torch.nn.functional as F
 
 _flash_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float,
+            cap: float | None) -> torch.Tensor:
+    """q [B, H, n, hd], k/v [B, KV, L, hd], ``keep`` bool broadcastable to [B, H, n, L] -> [B, H, n, hd]. With a
+    soft-cap: the explicit softmax (scores in q's dtype, softmax in fp32, as transformers' eager attention)."""
+    if cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / cap) * cap
+    probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one layer's attention applies beside causality (None: nothing): a sliding ``window`` (the last
+    ``window`` tokens, the query's own included) and score soft-capping."""
+
+    window: int | None = None
+    softcap: float | None = None
 
 
 @dataclass
@@ -119,6 +148,9 @@ class PrefillMeta:
     mask: torch.Tensor | None  # bool [num_tokens, start + num_tokens] when start > 0
 
 
+_PLAIN = LayerAttention()
+
+
 @dataclass(frozen=True)
 class PlainDecode:
     """An iteration of decode rows only, all in one plain group for the native paged-decode kernel: what the
@@ -143,8 +175,10 @@ class PagedAttention:
         scale: float,
         decode_kernel: Callable | None = None,
         prefill_kernel: Callable | None = None,
+        layers: list[LayerAttention] | None = None,
     ) -> None:
         self.kv_caches = kv_caches
+        self.layers = layers  # per layer window / soft-cap (None: plain causal attention everywhere)
         self.decode_kernel = decode_kernel
         self.prefill_kernel = prefill_kernel  # for the model's dtype (the builder picks it)
         self.slots = slots
@@ -169,10 +203,14 @@ class PagedAttention:
         v_cache.view(nb * bs, n_kv, hd).index_copy_(0, self.slots, v.to(v_cache.dtype))
         n_heads = q.shape[1]
         gqa = n_heads != n_kv
+        spec = self.layers[layer_idx] if self.layers is not None else _PLAIN
+        window, cap = spec.window, spec.softcap
         outs: list[torch.Tensor] = []
         for g in self.decode_groups:
             qg = q[g.row0 : g.row0 + g.num_rows]
-            if g.prefix is None and self.decode_kernel is not None:
+            if cap is not None or (window is not None and g.prefix_len + g.suffix_len > window):
+                outs.append(self._masked_decode(g, qg, k_cache, v_cache, window, cap))
+            elif g.prefix is None and self.decode_kernel is not None:
                 od, _ = self.decode_kernel(qg, k_cache, v_cache, g.table, g.lens, self.scale, False)
                 outs.append(od.view(g.num_rows, n_heads * hd))
             elif g.prefix is None:
@@ -185,21 +223,71 @@ class PagedAttention:
                 outs.append(self._shared_prefix(g, qg, k_cache, v_cache))
         for p in self.prefills:
             rows = slice(p.row0, p.row0 + p.num_tokens)
-            if p.start == 0 and self.prefill_kernel is not None:
+            if cap is not None or (window is not None and p.start + p.num_tokens > window):
+                outs.append(self._masked_prefill(p, q, k, v, k_cache, v_cache, window, cap))
+            elif p.start == 0 and self.prefill_kernel is not None:
                 outs.append(self.prefill_kernel(q[rows], k[rows], v[rows], self.scale))
-                continue
-            qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
-            if p.start == 0:
-                kp = k[p.row0 : p.row0 + p.num_tokens].transpose(0, 1).unsqueeze(0)
-                vp = v[p.row0 : p.row0 + p.num_tokens].transpose(0, 1).unsqueeze(0)
-                op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=gqa)
             else:
-                L = p.start + p.num_tokens
-                kp = p.blocks.read(k_cache, q.dtype)[:, :L].transpose(1, 2)
-                vp = p.blocks.read(v_cache, q.dtype)[:, :L].transpose(1, 2)
-                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=self.scale, enable_gqa=gqa)
-            outs.append(op.squeeze(0).transpose(0, 1).reshape(p.num_tokens, n_heads * hd))
+                outs.append(self._sdpa_prefill(p, q, k, v, k_cache, v_cache, gqa))
         return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+
+    def _sdpa_prefill(self, p: PrefillMeta, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, gqa: bool) -> torch.Tensor:
+        """A prefill chunk without window or soft-cap in effect, on SDPA."""
+        n_heads, hd = q.shape[1], q.shape[2]
+        rows = slice(p.row0, p.row0 + p.num_tokens)
+        qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
+        if p.start == 0:
+            kp = k[p.row0 : p.row0 + p.num_tokens].transpose(0, 1).unsqueeze(0)
+            vp = v[p.row0 : p.row0 + p.num_tokens].transpose(0, 1).unsqueeze(0)
+            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=gqa)
+        else:
+            L = p.start + p.num_tokens
+            kp = p.blocks.read(k_cache, q.dtype)[:, :L].transpose(1, 2)
+            vp = p.blocks.read(v_cache, q.dtype)[:, :L].transpose(1, 2)
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=self.scale, enable_gqa=gqa)
+        return op.squeeze(0).transpose(0, 1).reshape(p.num_tokens, n_heads * hd)
+
+    def _masked_decode(self, g: DecodeGroup, qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       window: int | None, cap: float | None) -> torch.Tensor:
+        """A decode group on the masked path: each row reads its whole context (prefix blocks, then its own)."""
+        m, n_heads, hd = qg.shape
+        dev = qg.device
+        table = g.table.to(dev).long()
+        if g.prefix is not None:
+            table = torch.cat([g.prefix.ids.view(1, -1).expand(m, -1), table], 1)
+        ref = BlockRef(table.reshape(-1), m)
+        L = g.prefix_len + g.suffix_len
+        kd = ref.read(k_cache, qg.dtype)[:, :L].transpose(1, 2)
+        vd = ref.read(v_cache, qg.dtype)[:, :L].transpose(1, 2)
+        total = g.lens.to(dev).long() + g.prefix_len  # each row's context length, its new token included
+        key_pos = torch.arange(L, device=dev).unsqueeze(0)
+        keep = key_pos < total.unsqueeze(1)
+        if window is not None:
+            keep &= key_pos >= (total - window).unsqueeze(1)
+        out = _attend(qg.unsqueeze(2), kd, vd, keep.view(m, 1, 1, L), self.scale, cap)
+        return out.reshape(m, n_heads * hd)
+
+    def _masked_prefill(self, p: PrefillMeta, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None,
+                        cap: float | None) -> torch.Tensor:
+        """A prefill chunk on the masked path (causal + window mask over its context so far)."""
+        rows = slice(p.row0, p.row0 + p.num_tokens)
+        n_heads, hd = q.shape[1], q.shape[2]
+        L = p.start + p.num_tokens
+        qp = q[rows].transpose(0, 1).unsqueeze(0)
+        if p.start == 0:
+            kp, vp = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
+        else:
+            kp = p.blocks.read(k_cache, q.dtype)[:, :L].transpose(1, 2)
+            vp = p.blocks.read(v_cache, q.dtype)[:, :L].transpose(1, 2)
+        q_pos = torch.arange(p.start, L, device=q.device).unsqueeze(1)
+        key_pos = torch.arange(L, device=q.device).unsqueeze(0)
+        keep = key_pos <= q_pos
+        if window is not None:
+            keep &= key_pos > q_pos - window
+        out = _attend(qp, kp, vp, keep, self.scale, cap)
+        return out.squeeze(0).transpose(0, 1).reshape(p.num_tokens, n_heads * hd)
 
     def _shared_prefix(self, g: DecodeGroup, qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
         m, n_heads, hd = qg.shape

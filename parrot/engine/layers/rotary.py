@@ -8,7 +8,11 @@ both q and k, so the KV cache simply stores keys in this layout. Rotating a pair
     (x_2i + j x_2i+1) * (cos(p w_i) + j sin(p w_i)) * mscale
 
 Scaling variants (see parrot.engine.config): linear (p / factor), llama3 (frequency smoothing), yarn (ramped
-interpolation + attention factor ``mscale``), freq_factors (llama.cpp ``rope_freqs``: w_i / f_i).
+interpolation + attention factor ``mscale``), freq_factors (llama.cpp ``rope_freqs``: w_i / f_i), longrope
+(Phi-3: w_i / short_i below ``original_max_position_embeddings``, w_i / long_i from there, times ``mscale``). The
+longrope table is per position (the KV cache never needs re-rotating); transformers instead switches a whole
+forward to the long factors once its longest position passes the original length, so the two agree while a
+sequence stays within that length, and past it only on the positions beyond it.
 """
 
 from __future__ import annotations
@@ -39,7 +43,16 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[Te
         return _llama3_inv_freq(inv_freq, scaling), 1.0
     if kind == "yarn":
         return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
+    if kind == "longrope":  # the short factors; RotaryEmbedding switches to the long ones past the original length
+        return inv_freq / _factors(scaling["short_factor"], inv_freq), float(scaling["attention_factor"])
     raise ValueError(f"unsupported rope scaling type {kind!r}")
+
+
+def _factors(values, inv_freq: Tensor) -> Tensor:
+    factors = torch.tensor(values, dtype=torch.float64)
+    if factors.numel() != inv_freq.numel():
+        raise ValueError(f"rope factors have {factors.numel()} entries, expected {inv_freq.numel()}")
+    return factors
 
 
 def _llama3_inv_freq(inv_freq: Tensor, s: dict) -> Tensor:
@@ -83,12 +96,21 @@ def _yarn_inv_freq(inv_freq: Tensor, dim: int, base: float, s: dict) -> tuple[Te
 class RotaryEmbedding(nn.Module):
     """Holds ``freqs_cis`` (complex64 [max_positions, head_dim/2]); rotate q and k together in one call."""
 
-    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
+    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu", *, local: bool = False) -> None:
+        """``local``: the table of sliding-window layers in families that rotate them with their own base
+        (``config.local_rope_theta``, unscaled: Gemma-3); else ``rope_theta`` with ``rope_scaling``."""
         super().__init__()
         self.head_dim = config.head_dim
-        inv_freq, mscale = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        if local and config.local_rope_theta is None:
+            raise ValueError(f"{config.arch} has no local RoPE base (local_rope_theta)")
+        theta, scaling = (config.local_rope_theta, None) if local else (config.rope_theta, config.rope_scaling)
+        inv_freq, mscale = rope_inv_freq(config.head_dim, theta, scaling)
         pos = torch.arange(config.max_position_embeddings, dtype=torch.float64)
         angles = torch.outer(pos, inv_freq)  # float64 so large positions keep their phase accurately
+        if scaling is not None and scaling["type"] == "longrope":
+            base = inv_freq * _factors(scaling["short_factor"], inv_freq)
+            orig = int(scaling["original_max_position_embeddings"])
+            angles[orig:] = torch.outer(pos[orig:], base / _factors(scaling["long_factor"], base))
         freqs = torch.polar(torch.full_like(angles, mscale), angles).to(torch.complex64)
         self.register_buffer("freqs_cis", freqs.to(device), persistent=False)
 

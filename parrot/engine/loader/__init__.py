@@ -1,7 +1,8 @@
 """Weight loaders: GGUF files and HF safetensors dirs, both yielding ``(canonical name, float32 tensor)``.
 
-Canonical names are HF LLaMA names (``model.layers.{i}.self_attn.q_proj.weight``...); Q/K rows are in the
-interleaved RoPE order (GGUF's). The model assembles, fuses and casts them (parrot.engine.models.llama).
+Canonical names are HF names (``model.layers.{i}.self_attn.q_proj.weight``...); Q/K rows are in the
+interleaved RoPE order (LLaMA GGUF's), norm weights are the multiplier (parrot.engine.models.registry). The model
+assembles, fuses and casts them (parrot.engine.models.assembly).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ __all__ = ["iter_weights", "weight_formats", "iter_gguf_weights", "iter_safetens
 def iter_weights(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Weights of a GGUF file or an HF safetensors dir (``config`` must be ``read_model_config(path)``)."""
     if is_gguf_file(path):
-        return iter_gguf_weights(path)
+        return iter_gguf_weights(path, config)
     return iter_safetensors_weights(path, config)
 
 
@@ -30,11 +31,19 @@ def weight_formats(path: str) -> dict[str, str]:
     if not is_gguf_file(path):
         return {}
     from parrot.engine.gguf_file import GGUFFile
-    from parrot.engine.loader.gguf_loader import canonical_name
+    from parrot.engine.loader.gguf_loader import canonical_name, gguf_family
+
+    gf = GGUFFile(path)
+    family = gguf_family(gf)
+    from parrot.engine.models.phi3 import FUSED
 
     out = {}
-    for t in GGUFFile(path).tensors:
-        name = canonical_name(t.name)
-        if name is not None:
-            out[name] = t.qtype.name.lower()
+    for t in gf.tensors:
+        name = canonical_name(t.name, family)
+        if name is None:
+            continue
+        prefix, _, local = name.rpartition(".layers.")
+        layer, _, local = local.partition(".")
+        for part in FUSED.get(local, (local,)) if prefix else (name,):  # a fused tensor's parts share its format
+            out[f"{prefix}.layers.{layer}.{part}" if prefix else name] = t.qtype.name.lower()
     return out

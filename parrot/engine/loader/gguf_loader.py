@@ -2,8 +2,11 @@
 
 GGUF stores a tensor with dims ``ne = [in_features, out_features]`` (fastest first), i.e. numpy shape
 ``[out, in]`` = the torch ``nn.Linear`` weight layout. llama.cpp's converter permutes the rows of ``attn_q`` /
-``attn_k`` within each head from HF's half-split RoPE order to the interleaved order; that interleaved order is
-also our canonical layout (see parrot.engine.layers.rotary), so Q/K rows are passed through unchanged.
+``attn_k`` within each head from HF's half-split RoPE order to the interleaved order for LLaMA (and Mistral)
+files only; that interleaved order is also our canonical layout (see parrot.engine.layers.rotary), so their Q/K rows
+pass through unchanged, while the other families' files (Qwen, Gemma: llama.cpp's "NEOX" RoPE) keep HF's order
+and are permuted here like a safetensors dir (rows, biases and q/k-norm weights alike). Gemma files already store
+norm weights as the 1 + w multiplier, which is canonical; Phi-3's fused attn_qkv / ffn_up are split into parts.
 """
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ import numpy as np
 import torch
 from gguf.quants import dequantize
 
+from parrot.engine.config import ModelConfig
 from parrot.engine.gguf_file import GGUFFile
+from parrot.engine.loader.safetensors_loader import rope_heads, split_fused, to_interleaved
+from parrot.engine.models.registry import Family, family_for_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -25,40 +31,55 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_NAMES = {
+LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# tensors that carry no weights of ours (rope_freqs is read into ModelConfig.rope_scaling)
-_IGNORED = {"rope_freqs.weight"}
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight$")
+# tensors that carry no weights of ours (RoPE factors are read into ModelConfig.rope_scaling)
+_IGNORED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def canonical_name(gguf_name: str) -> str | None:
-    """HF name of a GGUF tensor; None for tensors we deliberately skip. ValueError for unknown tensors."""
+def canonical_name(gguf_name: str, family: Family | None = None) -> str | None:
+    """HF name of a GGUF tensor of ``family`` (default: LLaMA's names); None for tensors we deliberately skip.
+    ValueError for unknown tensors."""
     if gguf_name in _IGNORED:
         return None
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = LAYER_NAMES if family is None else {**LAYER_NAMES, **family.gguf_layer_names}
     m = _LAYER_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
-    raise ValueError(f"unsupported tensor {gguf_name!r} in GGUF file (not a plain LLaMA model?)")
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
+    arch = "llama" if family is None else family.arch
+    raise ValueError(f"unsupported tensor {gguf_name!r} in GGUF file (not a plain {arch} model?)")
 
 
-def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_family(gf: GGUFFile) -> Family:
+    return family_for_gguf(gf.get("general.architecture"))
+
+
+def iter_gguf_weights(path: str, config: ModelConfig | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(canonical name, float32 tensor)`` for every weight of the GGUF file, in file order (which is
-    layer by layer, so a consumer can finish one layer before the next arrives)."""
+    layer by layer, so a consumer can finish one layer before the next arrives). ``config``: the file's
+    ModelConfig (read from the file when None)."""
     gf = GGUFFile(path)
+    family = gguf_family(gf)
+    if config is None:
+        from parrot.engine.config import config_from_gguf
+
+        config = config_from_gguf(gf)
     for tensor in gf.tensors:
-        name = canonical_name(tensor.name)
+        name = canonical_name(tensor.name, family)
         if name is None:
             continue
         try:
@@ -68,5 +89,9 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         array = np.ascontiguousarray(array, dtype=np.float32).reshape(tensor.shape)
         if not array.flags.writeable:  # F32 tensors are views of the read-only file mapping
             array = array.copy()
-        yield name, torch.from_numpy(array)
+        for part, out in split_fused(name, torch.from_numpy(array), config):
+            heads = None if family.gguf_permuted_qk else rope_heads(part, config)
+            if heads is not None:
+                out = to_interleaved(out, heads).contiguous()
+            yield part, out
     logger.debug("read %d tensors from %s", len(gf.tensors), path)

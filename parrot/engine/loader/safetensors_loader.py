@@ -1,8 +1,11 @@
 """Weights of an HF model dir (config.json + *.safetensors, optionally sharded with an index) as float32.
 
 HF stores Q/K rows in the half-split RoPE order; we permute them to the canonical interleaved order (the GGUF
-order, see parrot.engine.layers.rotary) exactly as llama.cpp's converter does. ``to_hf_layout`` is the inverse,
-used to export a model back to an HF dir.
+order, see parrot.engine.layers.rotary) exactly as llama.cpp's converter does -- and with them the q/k biases
+(Qwen2) and the per-head q/k norm weights (Qwen3, Gemma-3), which live in the same head-dim order. Fused
+checkpoint tensors (Phi-3's qkv_proj / gate_up_proj) are split into their canonical parts first. Families whose
+norms scale by ``offset + w`` (Gemma: 1 + w) get the offset added, so canonical norm weights are the multiplier.
+``to_hf_layout`` is the inverse of the permutation, used to export a model back to an HF dir.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from parrot.engine.config import ModelConfig
+from parrot.engine.models.registry import family
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -33,11 +37,15 @@ def weight_files(path: str) -> list[str]:
     return files
 
 
-def _heads_for(name: str, config: ModelConfig) -> int | None:
-    if name.endswith("self_attn.q_proj.weight"):
+def rope_heads(name: str, config: ModelConfig) -> int | None:
+    """How many RoPE heads the rows of canonical tensor ``name`` hold (None: not a RoPE'd tensor). A q/k norm
+    weight is one head's worth of dims."""
+    if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
         return config.num_heads
-    if name.endswith("self_attn.k_proj.weight"):
+    if name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
         return config.num_kv_heads
+    if name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+        return 1
     return None
 
 
@@ -55,15 +63,34 @@ def to_hf_layout(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
             .transpose(1, 2).reshape(weight.shape))
 
 
+def split_fused(name: str, tensor: torch.Tensor, config: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """A fused checkpoint tensor (Phi-3's ``qkv_proj`` / ``gate_up_proj``) as its canonical parts; any other
+    tensor as itself."""
+    from parrot.engine.models.phi3 import FUSED
+
+    prefix, _, local = name.rpartition("layers.")
+    layer, _, local = local.partition(".")
+    if not prefix or local not in FUSED:
+        return [(name, tensor)]
+    sizes = ([config.q_size, config.kv_size, config.kv_size] if local.startswith("self_attn")
+             else [config.intermediate_size] * 2)
+    if tensor.shape[0] != sum(sizes):
+        raise ValueError(f"fused weight {name!r} has {tensor.shape[0]} rows, expected {sum(sizes)}")
+    return [(f"{prefix}layers.{layer}.{part}", t) for part, t in zip(FUSED[local], tensor.split(sizes))]
+
+
 def iter_safetensors_weights(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(HF name, float32 tensor)`` for every weight in the dir, Q/K rows in the interleaved order."""
+    """Yield ``(HF name, float32 tensor)`` for every weight in the dir, in the canonical layout."""
+    offset = family(config.arch).norm_offset
     for file in weight_files(path):
         with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                if name.endswith("rotary_emb.inv_freq"):  # old checkpoints store the (recomputed) RoPE table
+            for stored in f.keys():
+                if stored.endswith("rotary_emb.inv_freq"):  # old checkpoints store the (recomputed) RoPE table
                     continue
-                tensor = f.get_tensor(name).float()
-                heads = _heads_for(name, config)
-                if heads is not None:
-                    tensor = to_interleaved(tensor, heads).contiguous()
-                yield name, tensor
+                for name, tensor in split_fused(stored, f.get_tensor(stored).float(), config):
+                    if offset and name.endswith("norm.weight"):
+                        tensor = tensor + offset
+                    heads = rope_heads(name, config)
+                    if heads is not None:
+                        tensor = to_interleaved(tensor, heads)
+                    yield name, tensor.contiguous()
