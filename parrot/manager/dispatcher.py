@@ -25,15 +25,16 @@ by requests placed on one engine once toward that engine's tokens.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from parrot.common.errors import EngineError, ParrotError
 from parrot.common.step_cost import StepCost, StepStats
-from parrot.engine.interface import EngineClient, ModelInfo
+from parrot.engine.interface import EngineCapabilities, EngineClient, ModelInfo
 from parrot.manager.engine_registry import EngineEntry, EngineRegistry, EngineState
 from parrot.manager.perf_deduction import SchedInfo
 from parrot.manager.policies.base import (
@@ -137,6 +138,11 @@ class Dispatcher:
         self._caps_sent: dict[str, int | None] = {}
         self._cap_tasks: dict[str, asyncio.Task] = {}
         self._no_caps: set[str] = set()  # engines that answered "caps unsupported"
+        # engines whose placed work changed since their cap was last computed (all of them: _caps_stale)
+        self._caps_dirty: set[str] = set()
+        self._caps_stale = True
+        self._timer: asyncio.TimerHandle | None = None  # a round the policy asked for (Policy.next_round_at)
+        self._timer_at: float | None = None
         # the last step-cost fit and the statuses it came from (see _step_costs)
         self._costs_cache: tuple[tuple, dict[str, StepCost]] | None = None
         registry.add_listener(self._on_engine_state)
@@ -166,6 +172,7 @@ class Dispatcher:
 
     def kick(self) -> None:
         """Run a scheduling round now (labels changed)."""
+        self._caps_stale = True  # relabeled work changes its engine's cap
         self._pump()
 
     def engine_failed(self, lease: Lease, error: ParrotError) -> None:
@@ -176,6 +183,10 @@ class Dispatcher:
         leases = self._leases.get(lease.engine)
         if leases is not None and lease in leases:
             leases.remove(lease)
+        if self._info(lease.request, lease.enqueued_at).task_group is not None:
+            self._caps_stale = True  # the group's total changed: so do its members' caps on other engines
+        else:
+            self._caps_dirty.add(lease.engine)
         self._pump()
 
     # ---- engines --------------------------------------------------------------------------------------------
@@ -192,23 +203,48 @@ class Dispatcher:
             self._caps_sent.pop(entry.name, None)
             self._caps_wanted.pop(entry.name, None)
             self._no_caps.discard(entry.name)
+        self._caps_stale = True
         self._pump()
 
     # ---- scheduling rounds ----------------------------------------------------------------------------------
     def _pump(self) -> None:
         self._queue = [t for t in self._queue if not t.future.done()]
+        cluster: ClusterView | None = None
         if self._queue:
             try:
-                self._round()
+                cluster = self._round()
             except Exception as e:  # a policy bug: fail the queue rather than leave requests waiting forever
                 logger.exception("scheduling round failed (policy %s)", self.policy.name)
+                self._caps_stale = True
                 for t in self._queue:
                     if not t.future.done():
                         t.future.set_exception(EngineError(f"scheduler error: {type(e).__name__}: {e}"))
             self._queue = [t for t in self._queue if not t.future.done()]
-        self._update_caps()
+            if self._queue:
+                self._arm_timer()
+        self._update_caps(cluster)
 
-    def _round(self) -> None:
+    def _arm_timer(self) -> None:
+        """Schedule the round the policy asked for (an earlier request replaces a later one)."""
+        at = self.policy.next_round_at()
+        if at is None or (self._timer_at is not None and self._timer_at <= at):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = at
+        self._timer = loop.call_later(max(0.0, at - self._clock()), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = self._timer_at = None
+        self._pump()
+
+    def _round(self) -> ClusterView | None:
+        """One scheduling round; returns the round's cluster view with its placements added (None: nothing was
+        queued for a live engine), which the cap update reuses instead of building it again."""
         queued: list[QueuedRequest] = []
         tickets: dict[int, _Ticket] = {}
         for t in self._queue:
@@ -220,9 +256,10 @@ class Dispatcher:
             tickets[t.id] = t
             queued.append(QueuedRequest(t.id, t.request, self._info(t.request, t.enqueued_at), t.enqueued_at, names))
         if not queued:
-            return
+            return None
         cluster = self._cluster(queued)
         by_ticket = {q.ticket: q for q in queued}
+        new: dict[str, list[PlacedRequest]] = {}
         for p in self.policy.place(queued, cluster):
             q, t = by_ticket.get(p.ticket), tickets.get(p.ticket)
             if q is None or t is None or t.future.done():
@@ -234,7 +271,22 @@ class Dispatcher:
             lease = Lease(self, entry, t.request, t.enqueued_at)
             self._leases.setdefault(entry.name, []).append(lease)
             t.future.set_result(lease)
+            view = cluster.engines.get(entry.name)
+            if view is not None:
+                new.setdefault(entry.name, []).append(self._placed(lease, q.info, cluster, view.step_cost))
             logger.debug("dispatch %s -> %s (policy %s)", t.request.request_id, entry.name, self.policy.name)
+        for name, placed in new.items():
+            view = cluster.engines[name]
+            cluster.engines[name] = dataclasses.replace(view, placed=view.placed + tuple(placed))
+        return cluster
+
+    def _placed(self, lease: Lease, info: SchedInfo, cluster: ClusterView, cost: StepCost | None) -> PlacedRequest:
+        """``lease`` as its engine's view lists it (demand from the current labels and its group's total)."""
+        key = (lease.request.session_id, info.task_group) if info.task_group is not None else None
+        demand = self.policy.demand(lease.request, info, cluster.group_tokens(key, lease.tokens), cost)
+        return PlacedRequest(lease.request.request_id, lease.request.session_id, lease.tokens, demand,
+                             info.task_group, lease.request.prefix_hashes, lease.request.prompt_tokens,
+                             lease.placed_at)
 
     def _info(self, request: DispatchRequest, enqueued_at: float) -> SchedInfo:
         if self.info_lookup is not None and request.session_id is not None:
@@ -244,9 +296,9 @@ class Dispatcher:
     def _held(self, entry: EngineEntry) -> list[Lease]:
         return [lease for lease in self._leases.get(entry.name, ()) if lease.client is entry.client]
 
-    def _cluster(self, queued: Sequence[QueuedRequest] = ()) -> ClusterView:
+    def _cluster(self, queued: Sequence[QueuedRequest] = (), only: Collection[str] | None = None) -> ClusterView:
         """Live engines with what is placed on them (demands from the current labels: a request relabeled
-        after placement changes its engine's cap right away)."""
+        after placement changes its engine's cap right away); with ``only``, just those engines."""
         entries = [e for e in self.registry.entries() if e.healthy and e.info is not None]
         held = {e.name: [(lease, self._info(lease.request, lease.enqueued_at)) for lease in self._held(e)]
                 for e in entries}
@@ -260,22 +312,26 @@ class Dispatcher:
                     key = (lease.request.session_id, info.task_group)
                     group_tokens[key] = group_tokens.get(key, 0) + lease.tokens
         costs = self._step_costs(entries)
-        engines = {}
+        cluster = ClusterView({}, prefix_tokens=self.prefix_lookup, group_tokens=group_tokens, now=self._clock())
         for e in entries:
             assert e.info is not None
-            placed = []
-            for lease, info in held[e.name]:
-                key = (lease.request.session_id, info.task_group) if info.task_group is not None else None
-                demand = self.policy.demand(lease.request, info, group_tokens.get(key, lease.tokens)
-                                            if key is not None else lease.tokens, costs.get(e.info.name))
-                placed.append(PlacedRequest(lease.request.request_id, lease.request.session_id, lease.tokens,
-                                            demand, info.task_group, lease.request.prefix_hashes,
-                                            lease.request.prompt_tokens, lease.placed_at))
-            s = e.status
-            capacity = s.kv_blocks_total * s.block_size if s is not None and s.kv_blocks_total > 0 else None
-            engines[e.name] = EngineView(e.name, e.info.name, e.info.max_model_len, s, capacity, tuple(placed),
-                                         step_cost=costs.get(e.info.name))
-        return ClusterView(engines, prefix_tokens=self.prefix_lookup, group_tokens=group_tokens, now=self._clock())
+            if only is not None and e.name not in only:
+                continue
+            cost = costs.get(e.info.name)
+            cluster.engines[e.name] = self._view(e, tuple(self._placed(lease, info, cluster, cost)
+                                                          for lease, info in held[e.name]), costs)
+        return cluster
+
+    def _view(self, e: EngineEntry, placed: tuple[PlacedRequest, ...], costs: dict[str, StepCost]) -> EngineView:
+        """The engine as the policy sees it: count-once credit for shared prefixes only where the engine
+        advertises shared-prefix attention (EngineCapabilities; nothing advertised = none)."""
+        assert e.info is not None
+        s = e.status
+        capacity = s.kv_blocks_total * s.block_size if s is not None and s.kv_blocks_total > 0 else None
+        caps = EngineCapabilities.from_status(s)
+        return EngineView(e.name, e.info.name, e.info.max_model_len, s, capacity, placed,
+                          shared_prefix_attention=caps is not None and caps.shared_prefix_attention,
+                          step_cost=costs.get(e.info.name))
 
     def _step_costs(self, entries: Sequence[EngineEntry]) -> dict[str, StepCost]:
         """Per model, the iteration-time fit of the step statistics its engines last reported, pooled (engines of
@@ -303,14 +359,22 @@ class Dispatcher:
         return out
 
     # ---- capacity hints -------------------------------------------------------------------------------------
-    def _update_caps(self) -> None:
+    def _update_caps(self, cluster: ClusterView | None = None) -> None:
+        """Recompute the wanted cap of the engines whose placed work changed: all of them from ``cluster`` (this
+        round's view, placements included), else only the dirty ones (a release), else all (labels or engines
+        changed)."""
         if not self.policy.caps_engines:
             return
         try:
             asyncio.get_running_loop()
         except RuntimeError:
             return  # no loop (a synchronous caller): the next round pushes
-        cluster = self._cluster()
+        if cluster is None:
+            if not self._caps_stale and not self._caps_dirty:
+                return
+            cluster = self._cluster(only=None if self._caps_stale else self._caps_dirty)
+        self._caps_stale = False
+        self._caps_dirty.clear()
         for name, view in cluster.engines.items():
             caps = [p.demand.cap for p in view.placed if p.demand.cap is not None]
             # The engine admits everything placed here: even beyond the cap (an idle engine's oversized request,
@@ -345,6 +409,9 @@ class Dispatcher:
             if not t.future.done():
                 t.future.set_exception(EngineError("the manager is shutting down"))
         self._queue.clear()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = self._timer_at = None
         tasks = list(self._cap_tasks.values())
         for task in tasks:
             task.cancel()

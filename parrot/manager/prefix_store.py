@@ -103,7 +103,17 @@ class PrefixStore:
     :class:`~parrot.manager.prefix_sharing.PrefixSharing` only.
     """
 
+    # how many prefix sizes the store remembers after their contexts are gone (oldest forgotten first)
+    MAX_KNOWN = 65536
+
     def __init__(self) -> None:
+        # hash -> tokens of that prefix (BOS included) as an engine tokenized it: a placement estimate that
+        # outlives the contexts (prefixes are tokenized piece by piece, so the count is the same on every
+        # engine with this tokenizer)
+        self._known: dict[str, int] = {}
+        self._chars = 0  # characters and tokens of the distinct prefixes observed (observe): chars per token
+        self._tokens = 0
+        self._observed: set[str] = set()
         self._queued: dict[str, set[str]] = {}
         self._contexts: dict[str, set[ContextRef]] = {}
         self._by_request: dict[str, list[str]] = {}
@@ -125,7 +135,43 @@ class PrefixStore:
                 if not keys:
                     del self._queued[h]
 
+    # ---- sizes known before placement ---------------------------------------------------------------------------
+    def _remember(self, prefix_hash: str, num_tokens: int) -> None:
+        self._known.pop(prefix_hash, None)
+        self._known[prefix_hash] = num_tokens
+        if len(self._known) > self.MAX_KNOWN:
+            old = next(iter(self._known))
+            del self._known[old]
+            self._observed.discard(old)
+
+    def known_tokens(self, prefix_hash: str) -> int | None:
+        """Tokens of the prefix ``prefix_hash`` (BOS included) if an engine ever held it, else None."""
+        return self._known.get(prefix_hash)
+
+    def longest_known(self, prefix_hashes: Sequence[str]) -> tuple[int, int] | None:
+        """(index in ``prefix_hashes``, tokens) of the longest prefix whose size is known, or None."""
+        for i in range(len(prefix_hashes) - 1, -1, -1):
+            n = self._known.get(prefix_hashes[i])
+            if n is not None:
+                return i, n
+        return None
+
+    def observe(self, prefix_hash: str, chars: int) -> None:
+        """Learn the tokenizer's characters per token from a prefix of known size and ``chars`` characters
+        (each distinct prefix counts once)."""
+        n = self._known.get(prefix_hash)
+        if n is None or prefix_hash in self._observed or chars <= 0:
+            return
+        self._observed.add(prefix_hash)
+        self._chars += chars
+        self._tokens += max(1, n - 1)  # BOS is not text
+
+    def chars_per_token(self, default: float = 4.0) -> float:
+        """Characters per token of the text prefixes observed so far (``default`` until one was)."""
+        return self._chars / self._tokens if self._tokens >= 64 else default
+
     def add_context(self, prefix_hash: str, ref: ContextRef) -> None:
+        self._remember(prefix_hash, ref.num_tokens)
         refs = self._contexts.setdefault(prefix_hash, set())
         if ref not in refs:
             refs.add(ref)
@@ -145,6 +191,7 @@ class PrefixStore:
         if key in self._prefix:
             raise ValueError(f"engine {pc.engine} already has a prefix context for {pc.prefix_hash[:12]}")
         self._prefix[key] = pc
+        self._remember(pc.prefix_hash, pc.num_tokens)
 
     def remove_prefix_context(self, pc: PrefixContext) -> None:
         if self._prefix.get((pc.engine, pc.prefix_hash)) is pc:

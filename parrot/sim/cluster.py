@@ -21,6 +21,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from parrot.bench.apps import OUT, App, Const, FromStep
+from parrot.bench.multi_agent import OUT as WF_OUT
+from parrot.bench.multi_agent import Workflow
 from parrot.common.template import parse_template, render_template
 from parrot.engine.local_client import LocalEngineClient
 from parrot.manager.completion_types import ChoiceSpec, CompletionSpec
@@ -137,27 +139,35 @@ class SimCluster:
         t0 = self.clock()
         m = self.manager
         async with self._client_session(rtt) as session:
-            inputs: list[tuple[str, str]] = []
-            outputs: dict[str, str] = {}
-            for step in app.steps:
-                holders = []
-                for key, ref in step.inputs:
-                    if isinstance(ref, Const):
-                        var = m.create_variable(session, key)
-                        inputs.append((var.var_id, ref.text))
-                        holders.append(PlaceholderSpec(key, False, var.var_id))
-                    else:
-                        assert isinstance(ref, FromStep)
-                        holders.append(PlaceholderSpec(key, False, outputs[ref.step]))
-                holders.append(_fixed_output(OUT, app.output_len))
-                req = m.submit(session, SubmitSpec(step.template, holders, name=f"{app.name}_{step.name}"))
-                outputs[step.name] = req.outputs[0]
+            inputs, outputs = self._declare(session, [(step, f"{app.name}_{step.name}", OUT, app.output_len)
+                                                      for step in app.steps])
             final = outputs[app.final]
             await m.get_variable(session, final, criteria=criteria, timeout_s=0.0)
             for var_id, text in inputs:
                 m.set_variable(session, var_id, text)
             await self.wait_value(session, final)
         return self.clock() - t0
+
+    def _declare(self, session, steps) -> tuple[list[tuple[str, str]], dict[str, str]]:
+        """Submit every step of an app / workflow up front, in order: ``steps`` are (step, request name, output
+        name, output tokens); a constant input becomes a pending variable (set later), a step's input the output
+        variable of the step it names. Returns ([(input var_id, its text)], {step name: output var_id})."""
+        m = self.manager
+        inputs: list[tuple[str, str]] = []
+        outputs: dict[str, str] = {}
+        for step, name, out, tokens in steps:
+            holders = []
+            for key, ref in step.inputs:
+                if isinstance(ref, Const):
+                    var = m.create_variable(session, key)
+                    inputs.append((var.var_id, ref.text))
+                    holders.append(PlaceholderSpec(key, False, var.var_id))
+                else:
+                    assert isinstance(ref, FromStep)
+                    holders.append(PlaceholderSpec(key, False, outputs[ref.step]))
+            holders.append(_fixed_output(out, tokens))
+            outputs[step.name] = m.submit(session, SubmitSpec(step.template, holders, name=name)).outputs[0]
+        return inputs, outputs
 
     async def run_parrot_call(self, template: str, inputs: dict[str, str], max_tokens: int, *,
                               criteria: str = "latency", rtt: bool = True, output: str = OUT) -> CallResult:
@@ -217,6 +227,41 @@ class SimCluster:
         if mode == "baseline":
             return await self.run_baseline_app(app)
         raise ValueError(f"mode must be 'parrot' or 'baseline', got {mode!r}")
+
+    # ---- multi-agent workflows (parrot.bench.multi_agent) -----------------------------------------------------
+    async def run_parrot_workflow(self, wf: Workflow, criteria: str = "latency") -> float:
+        """Submit every step up front, fetch every step's output with ``criteria`` (each role's message is shown
+        to the user as it comes), set the inputs, wait for the final outputs. Virtual end-to-end seconds."""
+        t0 = self.clock()
+        m = self.manager
+        async with self._client_session(True) as session:
+            inputs, outputs = self._declare(session, [(step, step.name, WF_OUT, step.max_tokens)
+                                                      for step in wf.steps])
+            for var_id in outputs.values():
+                await m.get_variable(session, var_id, criteria=criteria, timeout_s=0.0)
+            for var_id, text in inputs:
+                m.set_variable(session, var_id, text)
+            for name in wf.finals:
+                await self.wait_value(session, outputs[name])
+        return self.clock() - t0
+
+    async def run_baseline_workflow(self, wf: Workflow) -> float:
+        """The request-centric client: render and call each step once its inputs are back (parallel steps
+        concurrently), one round trip per call."""
+        t0 = self.clock()
+        tasks: dict[str, asyncio.Future[str]] = {}
+
+        async def run_step(step) -> str:
+            values = {}
+            for key, ref in step.inputs:
+                values[key] = ref.text if isinstance(ref, Const) else await tasks[ref.step]
+            prompt = render_template(parse_template(step.template), values, until=WF_OUT)
+            return (await self.complete(prompt, step.max_tokens)).text
+
+        for step in wf.steps:
+            tasks[step.name] = asyncio.ensure_future(run_step(step))
+        await asyncio.gather(*(tasks[n] for n in wf.finals))
+        return self.clock() - t0
 
     def engine_stats(self) -> dict:
         return {e.name: {"steps": e.num_steps, "busy_s": round(e.busy_s, 3), "tokens": e.num_tokens_computed,

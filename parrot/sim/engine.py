@@ -58,6 +58,7 @@ class SimEngine(EngineCore):
         if profiled:
             seed_step_stats(self, cost)
         self.busy_s = 0.0  # virtual seconds spent in iterations
+        self.peak_kv_blocks = 0  # most KV blocks in use at once (paper Fig. 18b: KV memory)
         self._in_step = False  # between a plan and its apply: commands wait in _deferred
         self._deferred: list[Command] = []
         self._wake = asyncio.Event()
@@ -102,6 +103,7 @@ class SimEngine(EngineCore):
             self._in_step = True
             try:
                 await asyncio.sleep(dt)
+                self.peak_kv_blocks = max(self.peak_kv_blocks, self.pool.num_used)
                 self.apply(self.runner.execute(plan))
             except Exception:
                 log.exception("simulated engine step failed; failing running ops")

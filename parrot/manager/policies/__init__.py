@@ -33,6 +33,7 @@ from parrot.manager.policies.e2 import AppCentricWithE2, E2Config, E2Policy
 
 _FACTORIES: dict[str, Callable[[CapacityConfig], Policy]] = {
     "parrot": lambda caps: AppCentricWithE2(caps),
+    "parrot-no-task-groups": lambda caps: AppCentricWithE2(caps, task_groups=False),  # an ablation (Fig. 18)
     "fifo-latency": lambda caps: FifoPolicy(caps.latency_cap_tokens, name="fifo-latency"),
     "fifo-throughput": lambda caps: FifoPolicy(caps.throughput_cap_tokens, name="fifo-throughput"),
     "least-loaded": lambda caps: LeastLoadedPolicy(),

@@ -261,6 +261,13 @@ class Policy(abc.ABC):
     def place(self, queue: Sequence[QueuedRequest], cluster: ClusterView) -> list[Placement]:
         """Placements for some of ``queue`` (each on one of its candidates); the rest keep waiting."""
 
+    def next_round_at(self) -> float | None:
+        """After :meth:`place`: the cluster-clock time at which the policy wants another round although nothing
+        else may change (work held back only until then, e.g. an engine's backlog draining); None = only on
+        events (arrivals, releases, relabels, engines). Policies that hold work back only for events keep
+        this answer."""
+        return None
+
 
 class PerRequestPolicy(Policy):
     """A policy that picks one engine per request and never queues (no caps): :meth:`choose` decides."""
