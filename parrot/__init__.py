@@ -53,6 +53,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     # typed errors users commonly catch
     "ParrotError": ("parrot.common.errors", "ParrotError"),
     "StepFailed": ("parrot.common.errors", "StepFailed"),
+    "ConstraintIncomplete": ("parrot.common.errors", "ConstraintIncomplete"),
+    "Constraint": ("parrot.common.constraints", "Constraint"),
     "TemplateError": ("parrot.common.errors", "TemplateError"),
     "TransformSpecError": ("parrot.common.errors", "TransformSpecError"),
 }
@@ -76,7 +78,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # static names for type checkers and IDEs
-    from parrot.common.errors import ParrotError, StepFailed, TemplateError, TransformSpecError
+    from parrot.common.constraints import Constraint
+    from parrot.common.errors import ConstraintIncomplete, ParrotError, StepFailed, TemplateError, TransformSpecError
     from parrot.common.perf import PerfCriteria
     from parrot.common.transforms import (first_line, json_field, lines, lower, remove_prefix, remove_suffix,
                                           replace, strip, truncate, upper)

@@ -328,3 +328,19 @@ def test_pinned_prefix_survives_eviction(tiny_parts):
             run(eng.fill(list(range(900, 1012)), "too-big"))
     finally:
         eng.shutdown()
+
+
+def test_a_failure_building_a_result_reaches_the_caller_instead_of_hanging(engine, monkeypatch):
+    """An internal bug while a result is assembled (here: labelling prompt logprobs) fails that call with
+    EngineError instead of leaving its future unresolved; the engine keeps serving."""
+
+    def broken(raw):
+        raise RuntimeError("labels broke")
+
+    monkeypatch.setattr(engine._labels, "position", broken)
+    with pytest.raises(EngineError, match="internal engine error"):
+        engine.fill([5, 6, 7, 8], "boom", prompt_logprobs=1).result(timeout=60)
+    monkeypatch.undo()
+    engine.fill([9, 10], "boom2").result(timeout=60)
+    r = engine.generate(SamplingParams(max_tokens=2, ignore_eos=True), "boom2").result(timeout=60)
+    assert len(r.token_ids) == 2

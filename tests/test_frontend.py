@@ -245,7 +245,7 @@ def test_per_output_overrides_merge_over_defaults():
 def test_output_takes_every_sampling_field():
     """P.Output's sampling fields are SamplingParams' (derived, not restated): a new one works at once."""
     assert [f.name for f in dataclasses.fields(P.Output)] == \
-        [f.name for f in dataclasses.fields(SamplingParams)] + ["transforms"]
+        [f.name for f in dataclasses.fields(SamplingParams)] + ["transforms", "json_schema", "regex", "choice", "grammar"]
     f = _define("{{output:a}} then {{output:b}}", params="", max_tokens=9, include_stop_str_in_output=True,
                 outputs={"b": P.Output(include_stop_str_in_output=False, min_tokens=2)})
     a, b = f.outputs
@@ -645,3 +645,42 @@ def test_real_bench_drivers(real):
     b = asyncio.run(baseline())
     assert (p.calls, b.calls, p.round_trips, b.round_trips) == (3, 3, 1, 3)
     assert len(p.final_text) > 0 and len(b.final_text) > 0
+
+
+def test_dropped_connections_retry_reads_but_never_repeat_a_submit(fake, monkeypatch):
+    """Under load a keep-alive connection can drop mid-call (httpx.ReadError): a GET (reading a variable) is sent
+    again; a POST that may have reached the server is reported, not repeated (one whose connection never opened
+    may be: _retryable)."""
+    import parrot.frontend.client as client_mod
+
+    monkeypatch.setattr(client_mod, "RETRY_BACKOFF_S", 0.0)
+    drops: dict[str, int] = {}
+    seen: list[str] = []
+
+    def flaky(request: httpx.Request) -> httpx.Response:
+        seen.append(request.method)
+        key = f"GET {request.url.path.split('/')[-1]}" if request.method == "GET" else request.method
+        if drops.get(key, 0) > 0:
+            drops[key] -= 1
+            raise httpx.ReadError("", request=request)  # the connection dropped after the request was sent
+        return fake.handler(request)
+
+    s = Session("http://fake", transport=httpx.MockTransport(flaky))
+    try:
+        v = s.create_variable("x", "hello")
+        drops[f"GET {v}"] = 2  # two drops, then the answer
+        assert s.poll_variable(v, None, 0.0) == "hello"
+        assert seen.count("GET") == 3
+        drops["POST"] = 1
+        with pytest.raises(client_mod.ServerUnreachable):
+            s.create_variable("y", "z")
+        posts = seen.count("POST")
+        assert s.create_variable("y2", "z")  # later calls work; the failed one was sent once
+        assert seen.count("POST") == posts + 1
+        drops[f"GET {v}"] = client_mod.RETRIES + 1  # more drops than retries: reported
+        with pytest.raises(client_mod.ServerUnreachable):
+            s.poll_variable(v, None, 0.0)
+    finally:
+        s.close()
+    assert client_mod._retryable("POST", httpx.ConnectError("x")) and not client_mod._retryable(
+        "POST", httpx.ReadError("x")) and client_mod._retryable("GET", httpx.ReadError("x"))

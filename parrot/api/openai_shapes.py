@@ -5,6 +5,13 @@ In: a validated ``CompletionRequest`` / ``ChatCompletionRequest`` becomes the se
 field; OpenAI's defaults and vLLM's extras map onto the one :class:`SamplingParams` field set). Out: the
 service's typed results become OpenAI bodies and stream chunks (``text_completion`` or ``chat.completion``).
 
+Structured output: ``response_format`` (json_object / json_schema), vLLM's ``guided_json`` / ``guided_regex`` /
+``guided_choice`` / ``guided_grammar`` and ``structured_outputs``, and a forced tool call (``tool_choice`` named
+or ``"required"``) each become the one :class:`Constraint` of the request's sampling (two at once: 400 naming
+them; one that does not compile: 400 naming its field). Tools (:mod:`parrot.manager.tool_calls`): each chat
+choice's text is read as tool calls (``message.tool_calls``, finish reason ``tool_calls``); streamed, a forced
+call's arguments stream as ``delta.tool_calls`` fragments, other calls come whole when the choice ends.
+
 Logprobs, per choice (docs/api.md): completions use the legacy shape ``{tokens, token_logprobs, top_logprobs,
 text_offset}`` (``top_logprobs[i]`` = the k most likely tokens plus the chosen one, ``{token: logprob}``; an echoed
 prompt's first token has ``null`` for both; ``text_offset[i]`` = the summed lengths of the tokens before it, as
@@ -13,13 +20,21 @@ vLLM counts); chat uses ``{content: [{token, logprob, bytes, top_logprobs: [{tok
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+import json
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from typing import Any
 
-from parrot.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingRequest
-from parrot.common.errors import InvalidRequestError
-from parrot.common.sampling import MAX_LOGPROBS, TokenLogprob
+from parrot.api.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    NamedToolChoice,
+    _SamplingRequest,
+)
+from parrot.common.constraints import Constraint
+from parrot.common.errors import BadSamplingParams, InvalidRequestError
+from parrot.common.sampling import MAX_LOGPROBS, FinishReason, TokenLogprob
 from parrot.manager.completion_types import (
     ChatSpec,
     ChoiceDelta,
@@ -32,6 +47,15 @@ from parrot.manager.completion_types import (
     UnscoredToken,
     Usage,
 )
+from parrot.manager.tool_calls import (
+    AutoCallStream,
+    ToolCall,
+    ToolChoice,
+    ToolOutput,
+    ToolPlan,
+    new_call_id,
+    plan_tools,
+)
 
 
 # ---- requests -> specs ------------------------------------------------------------------------------------------
@@ -40,7 +64,8 @@ def completion_spec(req: CompletionRequest) -> CompletionSpec:
                               "best_of": req.best_of is not None and req.best_of != req.n})
     # one text, one list of token ids, or a list of either
     prompts = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else list(req.prompt)
-    return CompletionSpec(req.model, prompts, _choices(req, req.max_tokens, req.logprobs), echo=req.echo)
+    return CompletionSpec(req.model, prompts, _choices(req, req.max_tokens, req.logprobs, constraint(req)),
+                          echo=req.echo)
 
 
 def chat_spec(req: ChatCompletionRequest) -> ChatSpec:
@@ -52,21 +77,92 @@ def chat_spec(req: ChatCompletionRequest) -> ChatSpec:
                                   param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return ChatSpec(req.model, message_dicts(req.messages), _choices(req, asked, logprobs))
+    choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
+    tools = plan_tools([t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None, choice,
+                       req.parallel_tool_calls)
+    forced: dict[str, Builder] = {}
+    if tools is not None and tools.choice in (ToolChoice.NAMED, ToolChoice.REQUIRED):
+        forced["tool_choice"] = tools.constraint
+    return ChatSpec(req.model, message_dicts(req.messages),
+                    _choices(req, asked, logprobs, constraint(req, forced)), tools=tools)
 
 
-def message_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the plain dicts templates expect; a list of text parts is joined with newlines."""
+def message_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the plain dicts templates expect; a list of text parts is joined with newlines; a call's
+    arguments become a dict when they are JSON (HF templates expect one; OpenAI sends text)."""
     out = []
     for m in messages:
         content = m.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
-        d = {"role": m.role, "content": content if content is not None else ""}
+        d: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
         if m.name is not None:
             d["name"] = m.name
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                               for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
         out.append(d)
     return out
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+# ---- structured output --------------------------------------------------------------------------------------------
+Builder = Callable[[], Constraint]
+
+
+def constraint(req: _SamplingRequest, more: dict[str, Builder] | None = None) -> Constraint | None:
+    """The request's one constraint (``more``: others by field, e.g. a forced tool call); several → 400 naming
+    them, one that does not compile → 400 naming its field (``param``)."""
+    asked: dict[str, Builder] = {}
+    rf = req.response_format
+    if rf is not None and rf.type != "text":
+        asked["response_format"] = lambda: format_constraint(rf.type, rf.json_schema and rf.json_schema.schema_,
+                                                             "response_format.json_schema.schema")
+    vllm: dict[str, Any] = {"guided_json": (req.guided_json, Constraint.json_schema),
+                            "guided_regex": (req.guided_regex, Constraint.regex),
+                            "guided_choice": (req.guided_choice, Constraint.choice),
+                            "guided_grammar": (req.guided_grammar, Constraint.grammar)}
+    so = req.structured_outputs
+    if so is not None:
+        vllm.update({"structured_outputs.json": (so.json_, Constraint.json_schema),
+                     "structured_outputs.regex": (so.regex, Constraint.regex),
+                     "structured_outputs.choice": (so.choice, Constraint.choice),
+                     "structured_outputs.grammar": (so.grammar, Constraint.grammar),
+                     "structured_outputs.json_object": (so.json_object or None, lambda _: Constraint.json_object())})
+    for name, (value, build) in vllm.items():
+        if value is not None:
+            asked[name] = lambda value=value, build=build: build(value)
+    asked.update(more or {})
+    if len(asked) > 1:
+        names = sorted(asked)
+        raise InvalidRequestError(f"at most one constraint per request; got {', '.join(names)}", param=names[0])
+    for name, build in asked.items():
+        try:
+            return build()
+        except BadSamplingParams as e:
+            raise BadSamplingParams(f"{name}: {e.message}", param=e.param if e.param != "constraint" else name) \
+                from None
+    return None
+
+
+def format_constraint(kind: str, schema: dict[str, Any] | None, schema_param: str) -> Constraint | None:
+    """OpenAI's output formats: ``text`` (none), ``json_object``, ``json_schema`` (``schema`` required)."""
+    if kind == "json_object":
+        return Constraint.json_object()
+    if kind == "json_schema":
+        if schema is None:
+            raise BadSamplingParams("a json_schema format needs its schema", param=schema_param)
+        return Constraint.json_schema(schema)
+    return None
 
 
 def _reject_unsupported(req: _SamplingRequest, flags: dict[str, bool]) -> None:
@@ -76,7 +172,8 @@ def _reject_unsupported(req: _SamplingRequest, flags: dict[str, bool]) -> None:
             raise InvalidRequestError(f"'{name}' is not supported by this server", param=name)
 
 
-def _choices(req: _SamplingRequest, max_tokens: int | None, logprobs: int | None = None) -> ChoiceSpec:
+def _choices(req: _SamplingRequest, max_tokens: int | None, logprobs: int | None = None,
+             constraint: Constraint | None = None) -> ChoiceSpec:
     """OpenAI defaults (temperature and top_p 1) and vLLM conventions (top_k -1 disables) in our terms."""
     sampling = {
         "min_tokens": req.min_tokens,
@@ -88,6 +185,7 @@ def _choices(req: _SamplingRequest, max_tokens: int | None, logprobs: int | None
         "stop": (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
         "stop_token_ids": tuple(req.stop_token_ids or ()), "ignore_eos": req.ignore_eos, "seed": req.seed,
         "include_stop_str_in_output": req.include_stop_str_in_output, "logprobs": logprobs,
+        "constraint": constraint,
     }
     return ChoiceSpec(n=req.n, max_tokens=max_tokens, sampling=sampling)
 
@@ -109,6 +207,8 @@ async def stream_chunks(plan: CompletionPlan, events: AsyncIterator[ChoiceDelta 
     """The OpenAI stream of ``events`` (without the final ``[DONE]``, which the SSE response adds). Closing
     this iterator closes ``events`` (which frees the request's engine contexts)."""
     offsets = [0] * plan.num_choices  # completions: text_offset of each choice's next token
+    tools = plan.tools if plan.tools is not None and plan.tools.choice is not ToolChoice.NONE else None
+    calls = [_ToolDeltas(tools) for _ in range(plan.num_choices)] if tools is not None else []
     async with aclosing(events):
         if plan.chat:  # every chat choice opens with its role
             for index in range(plan.num_choices):
@@ -119,7 +219,12 @@ async def stream_chunks(plan: CompletionPlan, events: AsyncIterator[ChoiceDelta 
                 logprobs = None
                 if plan.logprobs is not None:
                     logprobs, offsets[event.index] = _logprobs(plan, event.logprobs, offsets[event.index])
-                yield _chunk(plan, event.index, _delta(plan, event.text), reason, logprobs, with_usage)
+                delta = _delta(plan, event.text)
+                if calls:
+                    delta, reason = calls[event.index].push(event.text, event.finish_reason)
+                    if not delta and reason is None and not (logprobs and logprobs["content"]):
+                        continue
+                yield _chunk(plan, event.index, delta, reason, logprobs, with_usage)
             elif with_usage:
                 yield {"id": plan.id, "object": _chunk_object(plan), "created": plan.created, "model": plan.model,
                        "choices": [], "usage": usage_body(event)}
@@ -134,9 +239,64 @@ def usage_body(usage: Usage) -> dict:
 def _choice(plan: CompletionPlan, index: int, res: ChoiceResult) -> dict:
     logprobs = _logprobs(plan, res.logprobs, 0)[0] if res.logprobs is not None else None
     if plan.chat:
-        return {"index": index, "message": {"role": "assistant", "content": res.text}, "logprobs": logprobs,
-                "finish_reason": res.finish_reason.value}
+        out = plan.tools.parse(res.text) if plan.tools is not None else ToolOutput(res.text)
+        message: dict[str, Any] = {"role": "assistant", "content": out.content}
+        if out.calls:
+            message["tool_calls"] = [_call_body(i, c) for i, c in enumerate(out.calls)]
+        return {"index": index, "message": message, "logprobs": logprobs,
+                "finish_reason": _reason(res.finish_reason, bool(out.calls))}
     return {"index": index, "text": res.text, "logprobs": logprobs, "finish_reason": res.finish_reason.value}
+
+
+# ---- tool calls ---------------------------------------------------------------------------------------------------
+def _reason(reason: FinishReason, called: bool) -> str:
+    """``tool_calls`` when a choice ended by itself with calls; ``length`` (cut calls) stays."""
+    return "tool_calls" if called and reason is FinishReason.STOP else reason.value
+
+
+def _call_body(index: int, call: ToolCall, *, streamed: bool = False) -> dict:
+    body = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return {"index": index, **body} if streamed else body
+
+
+class _ToolDeltas:
+    """One streamed chat choice of a request with tools: engine text in, OpenAI ``delta`` out. A forced call
+    (NAMED) streams its arguments as they come; ``"required"`` sends its calls when the choice ends; ``"auto"``
+    sends content until a ``<tool_call>`` begins and the calls when the choice ends."""
+
+    def __init__(self, tools: ToolPlan) -> None:
+        self.tools = tools
+        self.auto = AutoCallStream(tools) if tools.choice is ToolChoice.AUTO else None
+        self.text = ""  # REQUIRED: the whole output so far
+        self.opened = False  # NAMED: the call's first delta (id, type, name) was sent
+
+    def push(self, text: str, finish: FinishReason | None) -> tuple[dict, str | None]:
+        """The delta for ``text`` (``{}``: nothing to send yet) and the choice's finish reason, if it ended."""
+        if self.tools.choice is ToolChoice.NAMED:
+            return self._named(text, finish)
+        if self.auto is None:  # REQUIRED
+            self.text += text
+            if finish is None:
+                return {}, None
+            out = self.tools.parse(self.text)
+        else:
+            content = self.auto.push(text)
+            if finish is None:
+                return ({"content": content} if content else {}), None
+            out = self.auto.finish()
+            out = ToolOutput(content + (out.content or "") or None, out.calls)
+        delta: dict[str, Any] = {"content": out.content} if out.content else {}
+        if out.calls:
+            delta["tool_calls"] = [_call_body(i, c, streamed=True) for i, c in enumerate(out.calls)]
+        return delta, _reason(finish, bool(out.calls))
+
+    def _named(self, text: str, finish: FinishReason | None) -> tuple[dict, str | None]:
+        reason = _reason(finish, True) if finish is not None else None
+        if not self.opened and (text or finish is not None):
+            assert self.tools.name is not None
+            self.opened = True
+            return {"tool_calls": [_call_body(0, ToolCall(new_call_id(), self.tools.name, text), streamed=True)]}, reason
+        return ({"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}), reason
 
 
 # ---- logprobs ---------------------------------------------------------------------------------------------------

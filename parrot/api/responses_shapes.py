@@ -1,8 +1,9 @@
 """OpenAI Responses API shapes around :mod:`parrot.manager.responses_store` (text in, text out).
 
 In: a ``ResponsesRequest`` becomes a :class:`ResponseSpec` (input items checked here: message items with string
-content or ``input_text`` / ``output_text`` parts, joined with newlines; anything else -- tools, images, files,
-reasoning, background -- is a 400 naming the field). Out: the finished turn becomes a ``response`` object with
+content or ``input_text`` / ``output_text`` parts, joined with newlines; ``text.format`` json_object / json_schema
+becomes the output's constraint; anything else -- tools, images, files, reasoning, background -- is a 400 naming
+the field). Out: the finished turn becomes a ``response`` object with
 one assistant ``message`` output item; a stream is the official event sequence, each event with ``type`` and
 ``sequence_number``::
 
@@ -20,8 +21,10 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+from parrot.api.openai_shapes import format_constraint
 from parrot.api.schemas import ResponsesRequest
-from parrot.common.errors import InvalidRequestError, ParrotError
+from parrot.common.constraints import Constraint, ConstraintKind
+from parrot.common.errors import BadSamplingParams, InvalidRequestError, ParrotError
 from parrot.common.sampling import FinishReason
 from parrot.manager.completion_types import ChoiceDelta
 from parrot.manager.responses_store import Message, ResponsePlan, ResponseResult, ResponseSpec
@@ -35,7 +38,7 @@ _PART_KEYS = {"type", "text", "annotations", "logprobs"}
 def response_spec(req: ResponsesRequest) -> ResponseSpec:
     _reject_unsupported(req)
     sampling = {"temperature": 1.0 if req.temperature is None else req.temperature,
-                "top_p": 1.0 if req.top_p is None else req.top_p}
+                "top_p": 1.0 if req.top_p is None else req.top_p, "constraint": text_constraint(req.text)}
     return ResponseSpec(req.model, input_messages(req.input), instructions=req.instructions,
                         previous_response_id=req.previous_response_id, max_output_tokens=req.max_output_tokens,
                         sampling=sampling, store=req.store, metadata=dict(req.metadata or {}))
@@ -88,8 +91,40 @@ def _no_unknown(obj: dict, known: set[str], where: str) -> None:
         raise InvalidRequestError(f"{where}: unknown field {unknown[0]!r}", param=f"{where}.{unknown[0]}")
 
 
+_FORMAT_KEYS = {"text": {"type"}, "json_object": {"type"},
+                "json_schema": {"type", "name", "schema", "strict", "description"}}
+
+
+def text_constraint(text: dict[str, Any] | None) -> Constraint | None:
+    """``text: {"format": {"type": "text" | "json_object" | "json_schema", ...}}`` as the output's constraint
+    (400 naming ``text.format...`` when malformed or when the schema does not compile)."""
+    fmt = (text or {}).get("format") or {"type": "text"}
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind not in _FORMAT_KEYS:
+        raise InvalidRequestError(f"text.format.type must be one of {sorted(_FORMAT_KEYS)}, got {kind!r}",
+                                  param="text.format.type")
+    _no_unknown(fmt, _FORMAT_KEYS[kind], "text.format")
+    if kind == "json_schema" and not isinstance(fmt.get("name"), str):
+        raise InvalidRequestError("text.format.name is required for json_schema", param="text.format.name")
+    schema = fmt.get("schema")
+    if kind == "json_schema" and not isinstance(schema, dict):
+        raise InvalidRequestError("text.format.schema must be a JSON schema (an object)", param="text.format.schema")
+    try:
+        return format_constraint(kind, schema, "text.format.schema")
+    except BadSamplingParams as e:
+        raise BadSamplingParams(f"text.format: {e.message}", param="text.format.schema") from None
+
+
+def text_body(constraint: Constraint | None) -> dict[str, Any]:
+    """The response's ``text`` (its output format), from the constraint it ran under."""
+    if constraint is None:
+        return {"format": {"type": "text"}}
+    if constraint.kind is ConstraintKind.JSON_OBJECT:
+        return {"format": {"type": "json_object"}}
+    return {"format": {"type": "json_schema", "name": "response", "schema": constraint.schema, "strict": True}}
+
+
 def _reject_unsupported(req: ResponsesRequest) -> None:
-    text_format = (req.text or {}).get("format", {"type": "text"})
     unsupported = {
         "tools": bool(req.tools),
         "tool_choice": req.tool_choice not in (None, "auto", "none"),
@@ -97,7 +132,7 @@ def _reject_unsupported(req: ResponsesRequest) -> None:
         "reasoning": bool(req.reasoning) and any(v is not None for v in req.reasoning.values()),
         "background": bool(req.background),
         "include": bool(req.include),
-        "text": set(req.text or {}) - {"format"} != set() or text_format != {"type": "text"},
+        "text": set(req.text or {}) - {"format"} != set(),
         "truncation": req.truncation not in (None, "disabled"),
         "top_logprobs": req.top_logprobs is not None,
         "conversation": req.conversation is not None,
@@ -120,7 +155,7 @@ def response_body(plan: ResponsePlan, result: ResponseResult | None = None, *, s
         "max_output_tokens": spec.max_output_tokens, "max_tool_calls": None, "model": spec.model, "output": [],
         "parallel_tool_calls": True, "previous_response_id": spec.previous_response_id,
         "reasoning": {"effort": None, "summary": None}, "service_tier": "default", "store": spec.store,
-        "temperature": spec.sampling.get("temperature"), "text": {"format": {"type": "text"}},
+        "temperature": spec.sampling.get("temperature"), "text": text_body(spec.sampling.get("constraint")),
         "tool_choice": "auto", "tools": [], "top_p": spec.sampling.get("top_p"), "truncation": "disabled",
         "usage": None, "user": None, "metadata": dict(spec.metadata),
     }

@@ -6,6 +6,7 @@ import dataclasses
 from enum import Enum
 from dataclasses import dataclass
 
+from parrot.common.constraints import Constraint
 from parrot.common.errors import BadSamplingParams
 
 
@@ -58,12 +59,22 @@ class SamplingParams:
     # report per generated token its logprob and the ``logprobs`` most likely alternatives (0 = the chosen token's
     # only; None = off), from the logits the sampler used after penalties, before temperature / top-k / top-p
     logprobs: int | None = None
+    # what the output must be (a JSON schema, a regex, one of some choices, a grammar): the engine masks every
+    # token the constraint cannot continue with, and ends the generation when the constraint is complete
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            object.__setattr__(self, "constraint", Constraint.from_dict(self.constraint))
         # normalise list inputs to tuples so the object stays hashable / immutable
         if not isinstance(self.stop, tuple):
+            if not isinstance(self.stop, (str, list)):
+                raise BadSamplingParams(f"stop must be a string or a list of strings, got {self.stop!r}", param="stop")
             object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str) else self.stop))
         if not isinstance(self.stop_token_ids, tuple):
+            if not isinstance(self.stop_token_ids, list):
+                raise BadSamplingParams(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}",
+                                        param="stop_token_ids")
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         self.validate()
 
@@ -71,6 +82,17 @@ class SamplingParams:
         def bad(name: str, why: str) -> BadSamplingParams:
             return BadSamplingParams(f"{name} {why}", param=name)
 
+        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise bad(name, f"must be a number, got {v!r}")
+        for name in ("max_tokens", "min_tokens", "top_k"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise bad(name, f"must be an integer, got {v!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, f"must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
@@ -91,9 +113,9 @@ class SamplingParams:
                 raise bad(name, f"must be in [-2, 2], got {v!r}")
         if len(self.stop) > 16 or any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be at most 16 non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise bad("seed", f"must be an integer, got {self.seed!r}")
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
@@ -114,6 +136,7 @@ class SamplingParams:
         d = dataclasses.asdict(self)
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        d["constraint"] = self.constraint.to_dict() if self.constraint is not None else None
         return d
 
     @classmethod

@@ -159,7 +159,8 @@ def default_stop(segments: list[Segment], output: str) -> tuple[str, ...]:
     The stop is that text up to its first newline (trailing spaces dropped), or ``"\\n"`` if it starts with a
     newline (or its first line is blank); no stop if only spaces, another placeholder or the end follows. The
     frontend applies it when a function is defined, the server on a submit whose output names no ``stop``; an
-    explicit ``stop`` (even an empty one) replaces it.
+    explicit ``stop`` (even an empty one) replaces it. An output under a constraint (``SamplingParams.constraint``)
+    gets no default stop: its grammar says where it ends, and a stop inside the value would cut it.
     """
     following = text_after(segments, output)
     if not following:

@@ -179,6 +179,7 @@ class Op:
     decoder: Any = None  # IncrementalDecoder (GENERATE)
     stopper: Any = None  # StopChecker (GENERATE)
     generator: Any = None  # torch.Generator for seeded sampling (GENERATE), created by the sampler
+    guide: Any = None  # parrot.engine.guided.Guide when sampling.constraint is set (GENERATE), made at op start
     # FILL with prompt_logprobs: one entry per filled token (position prompt_len + i), None until known
     prompt_lp: list[RawLogprobs | None] = field(default_factory=list)
     logprobs: list[PositionLogprobs] = field(default_factory=list)  # GENERATE with sampling.logprobs: per token

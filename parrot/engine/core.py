@@ -38,8 +38,9 @@ from parrot.common.errors import (
 )
 from parrot.common.sampling import MAX_LOGPROBS, FinishReason, PositionLogprobs, SamplingParams
 from parrot.common.step_cost import StepStats
+from parrot.engine.guided import GrammarCompiler
 from parrot.engine.context import Context, LogprobLabels, Op, OpKind, OpStatus, RawLogprobs
-from parrot.engine.interface import EngineStatus, FillResult, GenerateChunk, GenerateResult
+from parrot.engine.interface import EngineCapabilities, EngineStatus, FillResult, GenerateChunk, GenerateResult
 from parrot.engine.kv_cache.block_pool import BlockPool
 from parrot.engine.kv_cache.prompt_logprobs import (DEFAULT_CAPACITY_BLOCKS, PromptLogprobCache, is_known, match_limit,
                                                     wants_prompt_logprobs)
@@ -116,6 +117,7 @@ class EngineCore(abc.ABC):
             pool.block_size, capacity_blocks=DEFAULT_CAPACITY_BLOCKS if pool.enable_prefix_cache else 0)
         self.kv.set_match_limit(partial(match_limit, block_size=pool.block_size))
         self._labels = LogprobLabels(tokenizer)  # runner ids + floats -> records with each token's text
+        self.grammars = GrammarCompiler(tokenizer)  # constrained generation: compiled once per constraint
         self.num_steps = 0
         self.num_tokens_computed = 0
         # iteration time vs batch (reported in status for the global scheduler's cost-aware placement): each
@@ -143,7 +145,7 @@ class EngineCore(abc.ABC):
     def fill(self, token_ids: list[int], context_id: str, parent_context_id: str | None = None, *,
              prompt_logprobs: int | None = None) -> ResultFuture:
         """See EngineClient.fill; raises BadSamplingParams for a ``prompt_logprobs`` outside [0, MAX_LOGPROBS]."""
-        toks = self._check_tokens(token_ids)
+        toks = self.check_tokens(token_ids)
         if prompt_logprobs is not None:
             if isinstance(prompt_logprobs, bool) or not isinstance(prompt_logprobs, int) \
                     or not 0 <= prompt_logprobs <= MAX_LOGPROBS:
@@ -161,6 +163,8 @@ class EngineCore(abc.ABC):
                  on_chunk: ChunkCallback | None = None) -> ResultFuture:
         if sampling.logprobs is not None:
             self._check_logits("logprobs")
+        if sampling.constraint is not None:
+            self._check_logits("constraint")
 
         def cmd(fut: ResultFuture) -> None:
             ctx = self._get_or_fork(context_id, parent_context_id)
@@ -206,7 +210,7 @@ class EngineCore(abc.ABC):
         """Pin (or unpin) the cached KV of a hot token prefix: its full blocks hold one extra reference, so
         LRU eviction never drops them. Only blocks already cached or in use are pinned (fill the prefix first);
         the result is the number of blocks now pinned for this prefix."""
-        toks = self._check_tokens(token_ids)
+        toks = self.check_tokens(token_ids)
 
         def cmd(fut: ResultFuture) -> None:
             n = self.kv.pin_prefix(toks, pinned)
@@ -241,7 +245,8 @@ class EngineCore(abc.ABC):
             raise BadSamplingParams(f"engine {self.name!r} computes no logits (a simulated engine): {param} is not "
                                     "available", param=param)
 
-    def _check_tokens(self, token_ids: list[int]) -> list[int]:
+    def check_tokens(self, token_ids: list[int]) -> list[int]:
+        """``token_ids`` as a list; InvalidRequestError (400, param token_ids) for an id outside the vocabulary."""
         vocab = self.tokenizer.vocab_size
         toks = list(token_ids)
         for t in toks:
@@ -319,6 +324,12 @@ class EngineCore(abc.ABC):
                 return
             op.decoder = self.tokenizer.incremental_decoder()
             op.stopper = StopChecker(op.sampling) if op.sampling.stop else None  # None: the text is the pieces
+            if op.sampling.constraint is not None:
+                try:
+                    op.guide = self.grammars.guide(op.sampling.constraint)
+                except BadSamplingParams as e:
+                    self._complete(op, e)
+                    return
         self.scheduler.add(op)
 
     def _start_prompt_logprobs(self, op: Op) -> None:
@@ -407,7 +418,11 @@ class EngineCore(abc.ABC):
         op.output_ids.append(tok)
         ctx.tokens.append(tok)
         ctx.last_hidden = None
-        is_eos = tok in self.eos_token_ids and not sp.ignore_eos
+        guide = op.guide
+        if guide is not None:
+            guide.consume(tok)
+        # under a constraint EOS is the grammar's end, even with ignore_eos
+        is_eos = tok in self.eos_token_ids and (not sp.ignore_eos or guide is not None)
         is_stop_tok = tok in sp.stop_token_ids
         piece = "" if (is_eos or is_stop_tok) else op.decoder.push(tok)
         n = len(op.output_ids)
@@ -418,6 +433,8 @@ class EngineCore(abc.ABC):
         else:
             emit_text, finish = stopper.push(piece, n)
         if finish is None and (is_eos or is_stop_tok) and n >= sp.min_tokens:
+            finish = FinishReason.STOP
+        if finish is None and guide is not None and guide.complete:
             finish = FinishReason.STOP
         if finish is None and (n >= sp.max_tokens or len(ctx.tokens) >= self.max_model_len):
             finish = FinishReason.LENGTH
@@ -450,6 +467,14 @@ class EngineCore(abc.ABC):
 
     # ---- results -----------------------------------------------------------------------------------------------
     def _resolve(self, fut: ResultFuture, op: Op, err: BaseException | None) -> None:
+        try:
+            self._settle_op(fut, op, err)
+        except Exception as e:  # a bug building the result: the caller gets an error, never a hang
+            log.exception("building the result of op %d failed", op.seq_no)
+            if not fut.done():
+                fut.set_exception(EngineError(f"internal engine error: {e!r}"))
+
+    def _settle_op(self, fut: ResultFuture, op: Op, err: BaseException | None) -> None:
         if fut.done():  # the caller gave up (a cancelled wait)
             return
         if err is not None:
@@ -469,7 +494,8 @@ class EngineCore(abc.ABC):
             ttft = (op.first_token_time - op.arrival) if op.first_token_time else now - op.arrival
             fut.set_result(GenerateResult(op.ctx.id, tuple(op.output_ids), op.output_text,
                                           op.finish_reason or FinishReason.ABORT, op.prompt_len, ttft,
-                                          now - op.arrival, tuple(op.logprobs)))
+                                          now - op.arrival, tuple(op.logprobs),
+                                          None if op.guide is None else op.guide.complete))
 
     def refresh_status(self) -> None:
         """Owner: take the snapshot :meth:`status` answers (with ``cached_status``)."""
@@ -494,6 +520,11 @@ class EngineCore(abc.ABC):
                    # eviction notices for the global scheduler's prefix tree (Preble §4.3; parrot.manager.policies.e2)
                    "kv_evicted": {"seq": self.pool.num_evicted, "hashes": list(self.pool.evicted_log)},
                    "token_cap": sch.token_cap, "step_stats": self.step_stats.to_wire(),
+                   # what placement may count on (parrot.engine.interface.EngineCapabilities)
+                   "capabilities": EngineCapabilities(
+                       shared_prefix_attention=bool(getattr(self.runner, "shared_prefix_attention", False)),
+                       fork=True, prefix_cache=self.pool.enable_prefix_cache,
+                       kv_tokens=self.pool.num_blocks * self.pool.block_size).to_wire(),
                    **({"numerics": self.numerics} if self.numerics else {})},
         )
 

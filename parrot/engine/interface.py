@@ -49,6 +49,9 @@ class GenerateResult:
     ttft_s: float = 0.0  # queueing + first token latency inside the engine
     latency_s: float = 0.0
     logprobs: tuple[PositionLogprobs, ...] = ()  # one per token of token_ids when sampling.logprobs is set
+    # with sampling.constraint: whether the output is complete under it (False: cut by max_tokens, a stop string
+    # or the window, so it would not parse); None without a constraint
+    constraint_complete: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,35 @@ class EngineStatus:
     num_contexts: int
     num_preempted_total: int = 0
     extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine advertises about itself for placement, in ``EngineStatus.extra["capabilities"]``.
+
+    ``shared_prefix_attention``: decode reads a prefix shared by forked contexts once per step (paper §7), so the
+    global scheduler may count such a prefix once toward the engine's running tokens; ``fork``: contexts can be
+    created as children of others (Fill/Generate with a parent); ``prefix_cache``: unreferenced KV blocks are
+    kept and matched by content; ``kv_tokens``: tokens the KV pool holds. An engine that advertises nothing
+    (an external adapter, an older engine) gets :meth:`from_status`'s None: assume none of them."""
+
+    shared_prefix_attention: bool = False
+    fork: bool = False
+    prefix_cache: bool = False
+    kv_tokens: int | None = None
+
+    def to_wire(self) -> dict:
+        return {"shared_prefix_attention": self.shared_prefix_attention, "fork": self.fork,
+                "prefix_cache": self.prefix_cache, "kv_tokens": self.kv_tokens}
+
+    @classmethod
+    def from_status(cls, status: "EngineStatus | None") -> "EngineCapabilities | None":
+        raw = status.extra.get("capabilities") if status is not None else None
+        if not isinstance(raw, dict):
+            return None
+        kv = raw.get("kv_tokens")
+        return cls(bool(raw.get("shared_prefix_attention")), bool(raw.get("fork")), bool(raw.get("prefix_cache")),
+                   int(kv) if isinstance(kv, int) else None)
 
 
 class EngineClient(abc.ABC):

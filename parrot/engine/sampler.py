@@ -9,16 +9,23 @@ Logprobs convention (``SamplingParams.logprobs``): ``log_softmax`` in fp32 of th
 temperature, top-k and top-p. So they describe the model's (penalized) distribution, not the truncated one a
 sampled token was drawn from: a greedy token is always the first of the top, a sampled one need not be in it.
 Only rows that ask pay for them. Prompt logprobs (the runner's) are the same ``log_softmax`` of raw logits.
+
+Constrained rows (``op.guide``, parrot.engine.guided) get their grammar's mask first, in one batched fill for all
+of them: tokens the grammar forbids are -inf before anything else, so logprobs describe the constrained
+distribution. The min_tokens ban yields to the grammar when the grammar allows nothing but the end.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from parrot.common.sampling import SamplingParams
 from parrot.engine.context import Op, RawLogprobs
+from parrot.engine.guided import Guide
 
 
 _ARGMAX_CHUNK = 1024
@@ -41,6 +48,47 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], ks: Sequence[
         out.append(RawLogprobs(int(t), chosen[i], k, tuple(top_ids[i][:n]) if n else (),
                                tuple(top_vals[i][:n]) if n else ()))
     return out
+
+
+class MaskFiller:
+    """Fills the token bitmasks of a batch of guides in one llguidance call (its thread pool). Calls the executor
+    directly: ``llguidance.torch`` would import torch.compile machinery (seconds) for a helper we do not use."""
+
+    def __init__(self) -> None:
+        self._executor = None
+
+    def fill(self, guides: Sequence[Guide]) -> torch.Tensor:
+        """int32 [len(guides), words]: row i = the tokens guides[i] allows next (layout in parrot.engine.guided)."""
+        if self._executor is None:
+            import llguidance
+
+            self._executor = llguidance.LLExecutor()
+        words = -(-max(g.vocab_size for g in guides) // 32)
+        bitmask = torch.zeros((len(guides), words), dtype=torch.int32)
+        self._executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(guides)], bitmask.data_ptr(),
+                                               words * 4, len(guides))
+        return bitmask
+
+
+# byte value -> its 8 bits as additive logit masks (0 allowed, -inf not), bit 0 first: a mask row's bytes (the
+# int32 words read little-endian) index this table, so one embedding lookup unpacks a whole batch of masks
+_BYTE_BITS = torch.where(((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool(), 0.0, float("-inf"))
+
+
+def mask_bias(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """float32 [rows, vocab]: 0 where a row's bitmask allows the token, -inf elsewhere (and past the mask)."""
+    rows, words = bitmask.shape
+    assert bitmask.dtype == torch.int32 and sys.byteorder == "little"
+    bias = F.embedding(bitmask.contiguous().view(torch.uint8).long(), _BYTE_BITS).reshape(rows, words * 32)
+    if words * 32 >= vocab:
+        return bias[:, :vocab]
+    return torch.cat([bias, bias.new_full((rows, vocab - words * 32), float("-inf"))], dim=1)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: every token a row's mask does not allow becomes -inf in that row of ``logits`` [rows, vocab]
+    (an added bias: ~1 ms for 16 x 49k on one core, vs ~7 ms unpacking bits with shifts)."""
+    logits.add_(mask_bias(bitmask, logits.shape[1]).to(logits.dtype))
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -67,6 +115,7 @@ class Sampler:
         self.eos_token_ids = tuple(eos_token_ids)
         self.base_seed = base_seed
         self._counter = 0
+        self._masks = MaskFiller()
 
     def _generator(self, op: Op, device: torch.device) -> torch.Generator:
         if op.generator is None:
@@ -95,13 +144,17 @@ class Sampler:
                 pen = sp.presence_penalty + sp.frequency_penalty * counts.to(logits.dtype)
                 logits.index_add_(0, ids, -pen)
         if len(op.output_ids) < sp.min_tokens:  # as vLLM: EOS and stop tokens cannot end it early
-            banned = set(sp.stop_token_ids) | set(self.eos_token_ids)
+            banned = list(set(sp.stop_token_ids) | set(self.eos_token_ids))
             if banned:
-                logits[list(banned)] = float("-inf")
+                kept = logits[banned].clone() if op.guide is not None else None
+                logits[banned] = float("-inf")
+                if kept is not None and not bool(torch.isfinite(logits).any()):
+                    logits[banned] = kept  # the grammar allows only the end: it wins over min_tokens
 
     def sample(self, logits: torch.Tensor, ops: Sequence[Op]) -> list[int]:
         """logits: float32 [N, vocab], one row per op (penalties and the min_tokens ban are applied in place: pass
         the same tensor to :meth:`logprobs`). Returns one token id per op."""
+        self._apply_guides(logits, ops)
         for i, op in enumerate(ops):
             sp = op.sampling
             assert sp is not None
@@ -126,6 +179,20 @@ class Sampler:
                 g = self._generator(ops[i], logits.device)
                 out[i] = int(torch.multinomial(probs[j], 1, generator=g).item())
         return out
+
+    def _apply_guides(self, logits: torch.Tensor, ops: Sequence[Op]) -> None:
+        """Mask every constrained row by its grammar (one batched mask fill, in place)."""
+        guided = [i for i, op in enumerate(ops) if op.guide is not None]
+        if not guided:
+            return
+        bitmask = self._masks.fill([ops[i].guide for i in guided])
+        if len(guided) == len(ops):
+            apply_bitmask(logits, bitmask)
+            return
+        idx = torch.tensor(guided, dtype=torch.long, device=logits.device)
+        rows = logits.index_select(0, idx)
+        apply_bitmask(rows, bitmask)
+        logits.index_copy_(0, idx, rows)
 
     @staticmethod
     def logprobs(logits: torch.Tensor, ops: Sequence[Op], token_ids: Sequence[int]) -> list[RawLogprobs | None]:

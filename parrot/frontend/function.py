@@ -27,7 +27,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from parrot.common.errors import TemplateError
+from parrot.common.constraints import Constraint
+from parrot.common.errors import BadSamplingParams, TemplateError
 from parrot.common.sampling import SamplingParams
 from parrot.common.template import PlaceholderSegment, Segment, default_stop, input_names, parse_template, placeholders
 from parrot.common.transforms import Transform, validate_transforms
@@ -48,14 +49,51 @@ _OptionalSampling = dataclasses.make_dataclass(
 class Output(_OptionalSampling):
     """Per-output settings: any :class:`~parrot.common.sampling.SamplingParams` field (``max_tokens``,
     ``temperature``, ``stop``, ...) plus ``transforms``. ``None`` fields fall back to the function-level
-    defaults, then SamplingParams'."""
+    defaults, then SamplingParams'.
+
+    Structured output: at most one of ``json_schema`` (a JSON-schema dict, or a pydantic model class),
+    ``regex``, ``choice`` (a list of strings) or ``grammar`` (Lark or GBNF) — shorthands for ``constraint``. The
+    engine then only generates text the constraint accepts, so e.g. a ``json`` transform on a schema-constrained
+    output always parses; an output that hits max_tokens first fails its step (ConstraintIncomplete)."""
 
     transforms: Sequence[Mapping | Transform] | None = None
+    json_schema: Mapping[str, Any] | type | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+
+    def resolved_constraint(self) -> Constraint | None:
+        """The one constraint these settings ask for (TemplateError naming the fields if several)."""
+        given = {k: v for k, v in (("constraint", self.constraint), ("json_schema", self.json_schema),
+                                   ("regex", self.regex), ("choice", self.choice), ("grammar", self.grammar))
+                 if v is not None}
+        if len(given) > 1:
+            raise BadSamplingParams(f"an output takes one constraint; got {sorted(given)}", param=sorted(given)[1])
+        if self.json_schema is not None:
+            schema = self.json_schema
+            if isinstance(schema, type):  # a pydantic model class
+                if not hasattr(schema, "model_json_schema"):
+                    raise BadSamplingParams(f"json_schema: {schema.__name__} is not a pydantic model class",
+                                            param="json_schema")
+                schema = schema.model_json_schema()
+            return Constraint.json_schema(dict(schema))
+        if self.regex is not None:
+            return Constraint.regex(self.regex)
+        if self.choice is not None:
+            return Constraint.choice(list(self.choice))
+        if self.grammar is not None:
+            return Constraint.grammar(self.grammar)
+        return self.constraint
 
     def merged_over(self, base: "Output") -> "Output":
-        """This output's set fields over ``base``'s."""
+        """This output's set fields over ``base``'s (a constraint set here replaces any constraint of ``base``)."""
         changes = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+        if changes.keys() & _CONSTRAINT_FIELDS:
+            changes = {**dict.fromkeys(_CONSTRAINT_FIELDS), **changes}
         return dataclasses.replace(base, **changes)
+
+
+_CONSTRAINT_FIELDS = frozenset({"constraint", "json_schema", "regex", "choice", "grammar"})
 
 
 @dataclass(frozen=True)
@@ -74,7 +112,10 @@ class OutputConfig:
 def _resolve_output(segments: list[Segment], name: str, settings: Output) -> OutputConfig:
     fields = {f.name: getattr(settings, f.name) for f in dataclasses.fields(SamplingParams)
               if getattr(settings, f.name) is not None}
-    if "stop" not in fields:
+    constraint = settings.resolved_constraint()  # -> BadSamplingParams
+    if constraint is not None:
+        fields["constraint"] = constraint
+    if "stop" not in fields and constraint is None:  # a constrained output ends with its grammar
         fields["stop"] = default_stop(segments, name)
     sampling = SamplingParams(**fields)  # validates -> BadSamplingParams
     transforms = tuple(validate_transforms(list(settings.transforms or [])))  # -> TransformSpecError

@@ -1,7 +1,12 @@
 """Chat prompt rendering with the model's own (HF-style) jinja2 chat template, sandboxed.
 
-Messages arrive as plain dicts (``role``, ``content`` text, optional ``name``): the API layer flattens its
-request models into them, so the manager never sees an HTTP schema.
+Messages arrive as plain dicts (``role``, ``content`` text, optional ``name``; assistant ``tool_calls`` with
+arguments as dicts, ``tool`` messages with ``tool_call_id``): the API layer flattens its request models into them,
+so the manager never sees an HTTP schema.
+
+Tools: a template that mentions ``tools`` gets them as its ``tools`` variable (HF's convention); otherwise they
+are described in the system prompt, and a template that does not mention ``tool_calls`` sees calls and results
+as text blocks (:mod:`parrot.manager.tool_calls`).
 
 Templates come from model files, i.e. from outside; they run in jinja2's ImmutableSandboxedEnvironment
 (no attribute access to internals, no mutation of inputs) with the helpers HF templates expect:
@@ -12,14 +17,18 @@ the renderer instance (one per app, no module-global state).
 from __future__ import annotations
 
 import datetime
+import re
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from parrot.common.errors import InvalidRequestError
+from parrot.manager.tool_calls import polyfill_messages, with_tools_prompt
 
 MAX_CACHED_TEMPLATES = 16
+_TOOLS_VAR = re.compile(r"\btools\b")  # the template reads a ``tools`` variable
 
 
 class ChatTemplateError(InvalidRequestError):
@@ -46,15 +55,25 @@ class ChatRenderer:
             self._cache[template] = compiled
         return compiled
 
-    def render(self, template: str | None, messages: Sequence[Mapping[str, str]], *, bos_token: str = "",
-               eos_token: str = "", add_generation_prompt: bool = True) -> str:
-        """The prompt text for ``messages``. Raises ChatTemplateError (400) if the model has no template or
-        the template rejects the conversation (e.g. roles out of order)."""
+    def render(self, template: str | None, messages: Sequence[Mapping[str, Any]], *, bos_token: str = "",
+               eos_token: str = "", add_generation_prompt: bool = True,
+               tools: Sequence[Mapping[str, Any]] = ()) -> str:
+        """The prompt text for ``messages`` (and ``tools``: OpenAI dicts ``{"type": "function", "function":
+        {...}}``). Raises ChatTemplateError (400) if the model has no template or the template rejects the
+        conversation (e.g. roles out of order)."""
         if not template:
             raise ChatTemplateError("this model has no chat template; use /v1/completions", param="messages")
+        msgs = [dict(m) for m in messages]
+        if "tool_calls" not in template:
+            msgs = polyfill_messages(msgs)
+        extra: dict[str, Any] = {}
+        if tools and _TOOLS_VAR.search(template):
+            extra["tools"] = [dict(t) for t in tools]
+        elif tools:
+            msgs = with_tools_prompt(msgs, tools)
         try:
-            return self._compile(template).render(messages=[dict(m) for m in messages], bos_token=bos_token,
-                                                  eos_token=eos_token, add_generation_prompt=add_generation_prompt)
+            return self._compile(template).render(messages=msgs, bos_token=bos_token, eos_token=eos_token,
+                                                  add_generation_prompt=add_generation_prompt, **extra)
         except ChatTemplateError:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, KeyError) as e:  # SecurityError is a TemplateError

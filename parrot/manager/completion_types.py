@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from parrot.common.sampling import FinishReason, PositionLogprobs, SamplingParams
+from parrot.manager.tool_calls import ToolPlan
 
 
 # ---- what comes in ------------------------------------------------------------------------------------------------
@@ -34,8 +35,10 @@ class CompletionSpec:
 @dataclass(frozen=True)
 class ChatSpec:
     model: str
-    messages: Sequence[Mapping[str, str]]  # {"role", "content"[, "name"]}, as chat templates take them
+    # {"role", "content"[, "name", "tool_calls", "tool_call_id"]}, as chat templates take them
+    messages: Sequence[Mapping[str, Any]]
     choices: ChoiceSpec = field(default_factory=ChoiceSpec)
+    tools: ToolPlan | None = None  # shown to the model (rendering); its constraint is in choices.sampling
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class CompletionPlan:
     jobs: list[PromptJob]
     # False for echo with max_tokens 0: fill only (samplings are validated with max_tokens 1, never run)
     generate: bool = True
+    tools: ToolPlan | None = None  # chat with tools: how each choice's text is read as tool calls
 
     @property
     def prompt_tokens(self) -> int:

@@ -15,6 +15,10 @@ the prompt KV is shared, not copied)::
 
 Choice ``j`` of prompt ``i`` has index ``i * n + j`` in results and events.
 
+Chat with tools (:mod:`parrot.manager.tool_calls`): the tools are rendered into the prompt (the template's
+``tools`` variable or a system block) and the plan carries the :class:`ToolPlan`, by which the API layer reads
+each choice's text as tool calls; a forced call's constraint is already in the sampling. Results stay text.
+
 Logprobs (``sampling["logprobs"] = k``) and echo. A choice's logprobs are one entry per position::
 
     | prompt tokens (echo only; fill(prompt_logprobs=k)) | generated tokens (generate with logprobs=k) |
@@ -47,7 +51,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 
@@ -124,16 +128,18 @@ class CompletionService:
 
     async def plan_chat(self, spec: ChatSpec) -> CompletionPlan:
         client, info = self._tokenizer_for(spec.model)
-        ids = await self._encode(client, info, await self._render(client, info, spec.messages))
+        tools = spec.tools.shown if spec.tools is not None else []
+        ids = await self._encode(client, info, await self._render(client, info, spec.messages, tools=tools))
         max_tokens = _max_tokens(spec.choices, info, len(ids), "messages")
         if max_tokens == 0:
             raise BadSamplingParams("max_tokens must be >= 1", param="max_tokens")
         return CompletionPlan(True, f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), spec.model,
-                              spec.choices.n, [PromptJob(0, ids, _samplings(spec.choices, max_tokens, self.max_n))])
+                              spec.choices.n, [PromptJob(0, ids, _samplings(spec.choices, max_tokens, self.max_n))],
+                              tools=spec.tools)
 
     # ---- tokenizer endpoints ------------------------------------------------------------------------------------
     async def tokenize(self, model: str | None, *, prompt: str | None = None,
-                       messages: Sequence[Mapping[str, str]] | None = None, add_special_tokens: bool = True,
+                       messages: Sequence[Mapping[str, Any]] | None = None, add_special_tokens: bool = True,
                        add_generation_prompt: bool = True) -> Tokenized:
         """Token ids of ``prompt``, or of ``messages`` rendered with the chat template, as the completion and
         chat paths count them (``add_special_tokens``: BOS when the model adds one). One of the two is given."""
@@ -174,12 +180,12 @@ class CompletionService:
         assert entry.info is not None
         return entry.client, entry.info
 
-    async def _render(self, client: EngineClient, info: ModelInfo, messages: Sequence[Mapping[str, str]], *,
-                      add_generation_prompt: bool = True) -> str:
+    async def _render(self, client: EngineClient, info: ModelInfo, messages: Sequence[Mapping[str, Any]], *,
+                      add_generation_prompt: bool = True, tools: Sequence[Mapping[str, Any]] = ()) -> str:
         bos = await self._token_text(client, info, info.bos_token_id)
         eos = await self._token_text(client, info, info.eos_token_ids[0] if info.eos_token_ids else None)
         return self.renderer.render(info.chat_template, messages, bos_token=bos, eos_token=eos,
-                                    add_generation_prompt=add_generation_prompt)
+                                    add_generation_prompt=add_generation_prompt, tools=tools)
 
     async def _encode(self, client: EngineClient, info: ModelInfo, text: str, *, add_bos: bool = True,
                       allow_empty: bool = False) -> list[int]:

@@ -30,8 +30,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from parrot.common.errors import EngineUnavailable, ParrotError, StepFailed, UnknownContext, UnknownSession
+from parrot.common.errors import (ConstraintIncomplete, EngineUnavailable, ParrotError, StepFailed, UnknownContext,
+                                  UnknownSession)
 from parrot.common.perf import PerfCriteria
+from parrot.common.sampling import FinishReason
 from parrot.common.template import TextSegment
 from parrot.common.transforms import apply_transforms
 from parrot.engine.interface import EngineClient, ModelInfo
@@ -292,6 +294,13 @@ class GraphExecutor:
             # the engine reports its time to first token (queueing included); the call started at `started`
             req.times.first_token = min(started + result.ttft_s, self._clock())
         text = result.text
+        constraint = binding.sampling.constraint
+        if constraint is not None and (result.constraint_complete is False or (  # None: the engine cannot tell
+                result.constraint_complete is None and result.finish_reason is not FinishReason.STOP)):
+            raise ConstraintIncomplete(
+                f"output {binding.name!r} ended ({result.finish_reason.value}) after {len(result.token_ids)} tokens "
+                f"before its {constraint.kind.value} constraint was complete; raise max_tokens "
+                f"(now {binding.sampling.max_tokens}) or drop its stop strings", param=binding.name)
         if lead and text.startswith(" " * lead):
             text = text[lead:]
         value = apply_transforms(list(binding.transforms), text) if binding.transforms else text
@@ -334,15 +343,35 @@ class GraphExecutor:
         graph = session.graph
         chars = sum(len(s.text) for s in req.segments if isinstance(s, TextSegment))
         chars += sum(len(graph.variables[v].value or "") for v in req.inputs)
+        hashes = tuple(self._known_boundaries(session, req))
+        prompt_tokens = self._prompt_estimate(session, req, hashes, chars)
         outputs = [b for b in req.bindings.values() if b.is_output]
         perfs = {graph.get_perf_obj(b.var_id) for b in outputs}
         perf = PerfCriteria.LATENCY if PerfCriteria.LATENCY in perfs else (
             PerfCriteria.THROUGHPUT if PerfCriteria.THROUGHPUT in perfs else None)
         return DispatchRequest(
             request_id=req.request_id, session_id=session.session_id, models=req.models,
-            prompt_tokens=chars // 4,  # rough estimate before tokenization (the engine is not chosen yet)
+            prompt_tokens=prompt_tokens,
             max_new_tokens=sum(b.sampling.max_tokens for b in outputs if b.sampling is not None),
-            perf=perf, prefix_hashes=tuple(self._known_boundaries(session, req)))
+            perf=perf, prefix_hashes=hashes)
+
+    def _prompt_estimate(self, session: SessionState, req: RequestNode, hashes: tuple[str, ...], chars: int) -> int:
+        """Prompt tokens before tokenization (the engine is not chosen yet): the longest prefix whose size an
+        engine already reported (PrefixStore.known_tokens) plus the remaining characters at the characters per
+        token the store measured on known prefixes (4 until it has)."""
+        store = self.prefix_store
+        known = store.longest_known(hashes)
+        if known is None:
+            return int(chars / store.chars_per_token())
+        index, tokens = known
+        head = 0
+        for i in range(index + 1):
+            try:
+                head += len(_piece(session, req, i))
+            except ParrotError:
+                break
+        store.observe(hashes[index], head)
+        return tokens + int(max(0, chars - head) / store.chars_per_token())
 
 
 def _moved_spaces(segments, i: int) -> int:

@@ -71,7 +71,8 @@ def build_bindings(spec: SubmitSpec) -> tuple[list[Segment], list[PlaceholderBin
             bindings.append(PlaceholderBinding(name, False, p.var_id, None, transforms))
             continue
         sampling = SamplingParams.from_dict(dict(p.sampling or {}))
-        if "stop" not in (p.sampling or {}):  # an explicit stop (even an empty list) is the caller's choice
+        # an explicit stop (even an empty list) is the caller's choice; a constrained output ends with its grammar
+        if "stop" not in (p.sampling or {}) and sampling.constraint is None:
             stop = default_stop(segments, name)
             if stop:
                 sampling = sampling.replace(stop=stop)
