@@ -10,12 +10,18 @@ import argparse
 import logging
 import os
 import runpy
+import secrets
 import sys
 import types
 import typing
 
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 from pydantic_settings import BaseSettings
+
+
+# idle keep-alive of the server's connections: longer than clients' idle pools (httpx 5 s, aiohttp 15 s), so a
+# client never sends on a connection the server is closing at that moment (a dropped call under load)
+KEEP_ALIVE_S = 75
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser, cls: type[BaseSettings], skip: set[str] = frozenset()) -> None:
@@ -101,7 +107,8 @@ def _cmd_serve(ns: argparse.Namespace) -> None:
         app = create_app(server, [client])
         print(f"parrot: serving {client.name} on http://{server.host}:{server.port} (policy {server.policy}; "
               "OpenAPI at /docs)", flush=True)
-        uvicorn.run(app, host=server.host, port=server.port, log_level="warning")
+        uvicorn.run(app, host=server.host, port=server.port, log_level="warning",
+                    timeout_graceful_shutdown=server.shutdown_grace_s, timeout_keep_alive=KEEP_ALIVE_S)
         return
 
     from parrot.engine.procs import free_port, start_engines, stop_all
@@ -109,13 +116,17 @@ def _cmd_serve(ns: argparse.Namespace) -> None:
     # engines register through /api/v1/engines/register, which accepts loopback URLs only
     port = server.port or free_port(server.host)
     manager_url = f"http://127.0.0.1:{port}"
-    procs = start_engines(server.engines, manager_url, engine_args=_engine_flags(ns, {"name", "port", "host"}))
+    if server.engine_secret is None:  # our own children only: a fresh secret, handed over in their environment
+        server = server.model_copy(update={"engine_secret": SecretStr(secrets.token_urlsafe(32))})
+    procs = start_engines(server.engines, manager_url, secret=server.engine_secret.get_secret_value(),
+                          engine_args=_engine_flags(ns, {"name", "port", "host"}))
     try:
         app = create_app(server, [])
         print(f"parrot: serving on http://{server.host}:{port} with {server.engines} engine process(es) "
               f"{', '.join(f'{p.name}={p.url} (pid {p.pid})' for p in procs)}; policy {server.policy}",
               flush=True)
-        uvicorn.run(app, host=server.host, port=port, log_level="warning")
+        uvicorn.run(app, host=server.host, port=port, log_level="warning",
+                    timeout_graceful_shutdown=server.shutdown_grace_s, timeout_keep_alive=KEEP_ALIVE_S)
     finally:
         stop_all(procs)
 

@@ -7,6 +7,8 @@ import time
 # a tiny random-weight engine (starts in about a second, computes fast); fp32 so outputs are deterministic
 TINY_ENGINE = ["--random-model", "tiny", "--dtype", "float32", "--weight-quant", "none", "--num-threads", "1",
                "--kv-cache-tokens", "16384"]
+# the engine secret test managers are started with and their `parrot engine` children register with
+SECRET = "test-engine-secret-0123456789"
 
 
 def wait_until(cond, timeout_s: float, what: str):

@@ -87,14 +87,15 @@ def test_bad_input_is_4xx_with_a_named_problem(engine_server):
 
 
 def test_engine_registers_with_manager(default_tokenizer):  # noqa: F811
-    manager = LocalServer(create_app(ServerSettings(engine_heartbeat_s=0)))
+    secret = "engine-server-test-secret-123"
+    manager = LocalServer(create_app(ServerSettings(engine_heartbeat_s=0, engine_secret=secret)))
     model = build_random_model(TINY, dtype=torch.float32, seed=0)
     eng = build_engine(EngineSettings(name="reg-0", dtype="float32", weight_quant="none", kv_cache_tokens=1024),
                        model=model, tokenizer=default_tokenizer)
     with socket.socket() as s:  # learn a free port to advertise
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    es = EngineServerSettings(port=port, manager_url=manager.url, heartbeat_s=0.2)
+    es = EngineServerSettings(port=port, manager_url=manager.url, heartbeat_s=0.2, manager_secret=secret)
     srv = LocalServer(create_engine_app(LocalEngineClient(eng), es), port=port)
     try:
         deadline = time.monotonic() + 20

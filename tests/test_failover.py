@@ -14,7 +14,7 @@ from parrot.common.errors import EngineUnavailable, StepFailed
 from parrot.manager import EngineRegistry, EngineState, Manager, ManagerConfig
 from parrot.manager.graph import RequestStatus
 from parrot.manager.submit import PlaceholderSpec, SubmitSpec
-from engine_procs import TINY_ENGINE, wait_until
+from engine_procs import SECRET, TINY_ENGINE, wait_until
 from fakes import TAIL, FakeEngine, UnreachableEngine
 
 
@@ -220,10 +220,12 @@ def test_killed_engine_process_requests_rerun_on_the_survivor(tmp_path, default_
     from parrot.frontend.function import Output, SemanticFunction
     from parrot.frontend.local import LocalServer
 
-    settings = ServerSettings(policy="fifo-latency", engine_heartbeat_s=0.5, heartbeat_timeout_s=5)
+    settings = ServerSettings(policy="fifo-latency", engine_heartbeat_s=0.5, heartbeat_timeout_s=5,
+                              engine_secret=SECRET)
     server = LocalServer(create_app(settings, []))
     log = open(tmp_path / "engines.log", "w")
-    procs = start_engines(2, server.url, engine_args=TINY_ENGINE, prefix="fo", heartbeat_s=0.3, output=log)
+    procs = start_engines(2, server.url, secret=SECRET, engine_args=TINY_ENGINE, prefix="fo", heartbeat_s=0.3,
+                          output=log)
     session = None
     try:
         wait_until(lambda: _live(server.url) == {"fo-0", "fo-1"}, 180, "two engines to register")
@@ -280,7 +282,8 @@ def test_killed_engine_process_requests_rerun_on_the_survivor(tmp_path, default_
         assert e.value.cause_code == "engine_unavailable"
 
         # an engine that comes back registers again (dead -> alive) and serves
-        procs.append(EngineProcess("fo-0", server.url, engine_args=TINY_ENGINE, heartbeat_s=0.3, output=log))
+        procs.append(EngineProcess("fo-0", server.url, secret=SECRET, engine_args=TINY_ENGINE, heartbeat_s=0.3,
+                                   output=log))
         wait_until(lambda: "fo-0" in _live(server.url), 180, "the restarted engine to register")
         assert polish("again", session=session).get(timeout=60)
     finally:

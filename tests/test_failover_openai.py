@@ -15,7 +15,7 @@ from parrot.common.errors import EngineUnavailable
 from parrot.manager import EngineRegistry, EngineState, Manager, ManagerConfig
 from parrot.manager.completion_types import ChoiceDelta, ChoiceSpec, CompletionSpec
 from parrot.manager.completions import CompletionService
-from engine_procs import TINY_ENGINE, wait_until
+from engine_procs import SECRET, TINY_ENGINE, wait_until
 from fakes import TAIL, FakeEngine, UnreachableEngine
 
 
@@ -175,10 +175,11 @@ def test_killed_engine_process_completion_reruns_on_the_survivor(tmp_path, defau
     from parrot.engine.procs import start_engines, stop_all
     from parrot.frontend.local import LocalServer
 
-    app = create_app(ServerSettings(engine_heartbeat_s=0.5, heartbeat_timeout_s=5), [])
+    app = create_app(ServerSettings(engine_heartbeat_s=0.5, heartbeat_timeout_s=5, engine_secret=SECRET), [])
     server = LocalServer(app)
     log = open(tmp_path / "engines.log", "w")
-    procs = start_engines(2, server.url, engine_args=TINY_ENGINE, prefix="oa", heartbeat_s=0.3, output=log)
+    procs = start_engines(2, server.url, secret=SECRET, engine_args=TINY_ENGINE, prefix="oa", heartbeat_s=0.3,
+                          output=log)
     try:
         def live() -> set[str]:
             engines = httpx.get(f"{server.url}/api/v1/engines", timeout=5).json()["engines"]

@@ -23,10 +23,12 @@ def test_engine_eviction_notices_reach_e2_through_heartbeats(tmp_path, default_m
     from parrot.frontend.local import LocalServer
     from parrot.manager.policies import E2Policy
 
-    app = create_app(ServerSettings(policy="e2", engine_heartbeat_s=0.5, heartbeat_timeout_s=10), [])
+    secret = "preble-test-engine-secret"
+    app = create_app(ServerSettings(policy="e2", engine_heartbeat_s=0.5, heartbeat_timeout_s=10,
+                                    engine_secret=secret), [])
     server = LocalServer(app)
     log = open(tmp_path / "engines.log", "w")
-    procs = start_engines(2, server.url, engine_args=[*ENGINE_ARGS, "--kv-cache-tokens", str(KV_TOKENS)],
+    procs = start_engines(2, server.url, secret=secret, engine_args=[*ENGINE_ARGS, "--kv-cache-tokens", str(KV_TOKENS)],
                           prefix="pn", heartbeat_s=0.2, output=log)
     try:
         registry = app.state.manager.registry

@@ -13,9 +13,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from parrot.api import engine_routes, openai_routes, parrot_routes, tokenize_routes
-from parrot.api.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from parrot.api.middleware import BodyLimitMiddleware, TenantMiddleware
+from parrot.api.tenants import RateLimiter, TenantKeys
 from parrot.api.schemas import HealthResponse
 from parrot.api.settings import ServerSettings
 from parrot.engine.interface import EngineClient
@@ -52,6 +54,7 @@ def create_app(settings: ServerSettings | None = None, engines: Sequence[EngineC
     app = FastAPI(title="Parrot", version="0.1.0", lifespan=lifespan,
                   description="LLM service for applications: Semantic Variables + OpenAI-compatible API")
     app.state.settings = settings
+    app.state.engine_instances = {}  # registered engine name -> the instance token of the process holding it
     install_error_handlers(app)
     app.include_router(parrot_routes.router)
     app.include_router(openai_routes.router)
@@ -65,8 +68,14 @@ def create_app(settings: ServerSettings | None = None, engines: Sequence[EngineC
                         for e in manager.registry.entries()]
         return HealthResponse(status="ok", engines=engines_view)
 
-    # the last middleware added is the outermost: API key first, then the body limit
+    @app.get("/ready", tags=["ops"])
+    async def ready(request: Request) -> JSONResponse:
+        """200 when at least one engine is registered and healthy (work can run), else 503: a readiness probe."""
+        live = [e.name for e in request.app.state.manager.registry.entries() if e.healthy]
+        return JSONResponse({"ready": bool(live), "engines": live}, status_code=200 if live else 503)
+
+    # the last middleware added is the outermost: the tenant (key, rate) first, then the body limit
+    keys = TenantKeys(api_key=settings.api_key, keys_file=settings.api_keys_file, reload_s=settings.api_keys_reload_s)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    if settings.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(TenantMiddleware, keys=keys, limiter=RateLimiter())
     return app

@@ -1,38 +1,111 @@
-"""Engine registration: `parrot engine --manager-url ...` processes announce themselves and push heartbeats."""
+"""Engine registration: `parrot engine --manager-url ...` processes announce themselves and push heartbeats.
+
+Engines are not tenants. They prove themselves with the server's engine secret (``X-Parrot-Engine-Secret``,
+compared in constant time), never with an API key; without a configured secret registration is closed (403).
+Each engine process also sends an ``instance`` token of its own (random per process), and a name belongs to the
+instance that holds it::
+
+    register(name, url, instance)
+      secret wrong / missing                      -> 401  (nothing changes)
+      name held by a builtin (in-process) engine  -> 409
+      name held by a live engine, other instance  -> 409  (a newcomer never takes over a live engine)
+      url does not answer its health check        -> 400  (nothing changes: a live engine is never evicted)
+      otherwise                                   -> the engine is (re)registered under the name
+
+Same instance again (the manager forgot it, or restarted) or a dead holder (crashed, replaced) may register.
+"""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+import hmac
+import ipaddress
+from urllib.parse import urlsplit
 
-from parrot.common.errors import EngineUnavailable, InvalidRequestError, NotFoundError
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from parrot.common.errors import (
+    EngineNameTaken,
+    EngineRegistrationClosed,
+    EngineUnavailable,
+    InvalidEngineSecret,
+    InvalidRequestError,
+    NotFoundError,
+)
 from parrot.engine import wire
 from parrot.engine.http_client import HTTPEngineClient
 from parrot.manager.manager import Manager
 
 router = APIRouter(prefix="/api/v1/engines", tags=["engines"])
+SECRET_HEADER = wire.ENGINE_SECRET_HEADER
 
 
 class RegisterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
     url: str = Field(pattern=r"^http://(127\.\d+\.\d+\.\d+|localhost|\[::1\])(:\d+)?/?$")
+    instance: str = Field(min_length=8, max_length=128, description="random per engine process (parrot engine)")
+
+    @field_validator("url")
+    @classmethod
+    def _parsable(cls, url: str) -> str:
+        """The pattern admits loopback-looking text; this admits only what parses: a loopback address (or
+        localhost) and a port in 1..65535."""
+        try:
+            parts = urlsplit(url)
+            port = parts.port  # ValueError for a port outside 0..65535
+            host = parts.hostname or ""
+            if host != "localhost" and not ipaddress.ip_address(host).is_loopback:
+                raise ValueError(f"{host} is not a loopback address")
+        except ValueError as e:
+            raise ValueError(f"bad engine url {url!r}: {e}") from None
+        if port == 0:
+            raise ValueError(f"bad engine url {url!r}: port 0")
+        return url
 
 
 class HeartbeatRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     status: dict
+    instance: str = Field(min_length=8, max_length=128)
 
 
 def _manager(request: Request) -> Manager:
     return request.app.state.manager
 
 
+def _check_secret(request: Request) -> None:
+    secret = request.app.state.settings.engine_secret
+    if secret is None:
+        raise EngineRegistrationClosed("engine registration is closed: start the server with --engine-secret "
+                                       "(PARROT_ENGINE_SECRET) and give the engines the same secret "
+                                       "(--manager-secret / PARROT_ENGINE_SERVER_MANAGER_SECRET)")
+    given = request.headers.get(SECRET_HEADER, "").encode()
+    if not hmac.compare_digest(given, secret.get_secret_value().encode()):
+        raise InvalidEngineSecret(f"{'missing' if not given else 'invalid'} engine secret: send {SECRET_HEADER}",
+                                  param=SECRET_HEADER)
+
+
 @router.post("/register")
 async def register(req: RegisterRequest, request: Request) -> dict:
+    _check_secret(request)
     registry = _manager(request).registry
+    instances: dict[str, str] = request.app.state.engine_instances
     old = next((e for e in registry.entries() if e.name == req.name), None)
-    entry = registry.register(HTTPEngineClient(req.url, req.name))
+    if old is not None and instances.get(req.name) != req.instance:
+        if req.name not in instances:
+            raise EngineNameTaken(f"engine name {req.name!r} belongs to an engine inside the server", param="name")
+        if old.healthy:
+            raise EngineNameTaken(f"engine name {req.name!r} is held by another live engine", param="name")
+    client = HTTPEngineClient(req.url, req.name)
+    try:
+        await client.model_info()  # the health check comes before anything changes
+    except EngineUnavailable as e:
+        await client.close()
+        raise InvalidRequestError(f"engine {req.name!r} at {req.url} did not answer its health check: {e}; "
+                                  "not registered", param="url") from None
+    entry = registry.register(client)
+    instances[req.name] = req.instance
     if old is not None:
         await old.client.close()
     await registry.probe(entry)
@@ -41,6 +114,10 @@ async def register(req: RegisterRequest, request: Request) -> dict:
 
 @router.post("/{name}/heartbeat")
 async def heartbeat(name: str, req: HeartbeatRequest, request: Request) -> dict:
+    _check_secret(request)
+    holder = request.app.state.engine_instances.get(name)
+    if holder is not None and holder != req.instance:  # a replaced process: it must stop speaking for the name
+        raise EngineNameTaken(f"engine name {name!r} is held by another engine instance", param="name")
     try:
         status = wire.engine_status(req.status)
     except TypeError as e:

@@ -11,13 +11,13 @@ of the bearer the key check let through; ``anonymous`` when the server has no ke
 
 from __future__ import annotations
 
-import hashlib
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from parrot.api import openai_shapes as shapes
 from parrot.api import responses_shapes
+from parrot.api.tenants import ANONYMOUS
 from parrot.api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, ResponsesRequest
 from parrot.http_edge import EventStreamResponse
 from parrot.manager.completion_types import CompletionPlan
@@ -67,10 +67,8 @@ def _responses(request: Request) -> ResponsesService:
 
 
 def _owner(request: Request) -> str:
-    """Who a stored response belongs to: the API key presented (checked by the middleware), hashed."""
-    if not request.app.state.settings.api_key:
-        return "anonymous"
-    return hashlib.sha256(request.headers.get("authorization", "").encode()).hexdigest()[:32]
+    """Who a stored response belongs to: the caller's tenant (parrot.api.tenants; set by the middleware)."""
+    return getattr(request.state, "tenant", ANONYMOUS).name
 
 
 @router.post("/responses")

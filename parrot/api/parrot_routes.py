@@ -21,6 +21,7 @@ from parrot.api.schemas import (
     SubmitResponse,
     VariableResponse,
 )
+from parrot.api.tenants import ANONYMOUS, Tenant
 from parrot.common.perf import LatencyTargets
 from parrot.manager.manager import Manager
 from parrot.manager.session import SessionState
@@ -35,9 +36,14 @@ def get_manager(request: Request) -> Manager:
     return request.app.state.manager
 
 
+def get_tenant(request: Request) -> Tenant:
+    """The caller's tenant (set by parrot.api.middleware.TenantMiddleware)."""
+    return getattr(request.state, "tenant", ANONYMOUS)
+
+
 def get_session(sid: str, request: Request,
                 token: Annotated[str | None, Header(alias=SESSION_TOKEN_HEADER)] = None) -> SessionState:
-    return get_manager(request).session(sid, token)
+    return get_manager(request).session(sid, token, get_tenant(request).name)
 
 
 ManagerDep = Annotated[Manager, Depends(get_manager)]
@@ -45,8 +51,10 @@ SessionDep = Annotated[SessionState, Depends(get_session)]
 
 
 @router.post("/sessions", response_model=SessionResponse)
-async def create_session(manager: ManagerDep, body: CreateSessionRequest | None = None) -> SessionResponse:
-    session = manager.create_session(body.ttl_s if body else None)
+async def create_session(manager: ManagerDep, request: Request,
+                         body: CreateSessionRequest | None = None) -> SessionResponse:
+    tenant = get_tenant(request)
+    session = manager.create_session(body.ttl_s if body else None, owner=tenant.name, owner_limit=tenant.max_sessions)
     return SessionResponse(session_id=session.session_id, token=session.token, ttl_s=session.ttl_s)
 
 

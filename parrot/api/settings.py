@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from parrot.manager.manager import ManagerConfig
@@ -19,13 +19,22 @@ class ServerSettings(ManagerConfig, BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    api_key: str | None = Field(None, min_length=1, description="require 'Authorization: Bearer <key>'")
+    api_key: str | None = Field(None, min_length=1, description="require 'Authorization: Bearer <key>' (one tenant, "
+                                "'default'); with --api-keys-file, one more key")
+    api_keys_file: str | None = Field(None, description="JSON file of tenants' API keys and limits, re-read when it "
+                                      "changes (parrot.api.tenants)")
+    api_keys_reload_s: float = Field(1.0, ge=0, description="look at the keys file at most this often")
+    engine_secret: SecretStr | None = Field(
+        None, min_length=16, description="engines send it (X-Parrot-Engine-Secret) to register and heartbeat; unset: "
+        "engine registration is closed (parrot serve --engines makes one for its own children)")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     max_n: int = Field(16, ge=1, le=128, description="largest 'n' (choices) an OpenAI request may ask for")
     responses_ttl_s: float = Field(3600.0, gt=0, description="how long a stored /v1/responses answer can be continued "
                                    "(previous_response_id) or fetched")
     max_stored_responses: int = Field(1024, ge=1, description="stored /v1/responses answers kept (least recently "
                                       "used evicted first)")
+    shutdown_grace_s: float = Field(10.0, ge=0, le=600, description="on SIGTERM: stop accepting, let requests in "
+                                    "flight finish for at most this long, then cancel the rest and exit")
     engines: int = Field(0, ge=0, le=64, description="parrot serve: start this many `parrot engine` processes that "
                          "register here (0 = one engine inside the server process)")
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import secrets
 import statistics
 import time
 from collections.abc import Sequence
@@ -85,14 +86,15 @@ class RealCluster:
 
         self.policy_name = policy
         self.cfg = cfg
-        self.app = create_app(ServerSettings(policy=policy, engine_heartbeat_s=2.0), [])
+        secret = secrets.token_urlsafe(32)
+        self.app = create_app(ServerSettings(policy=policy, engine_heartbeat_s=2.0, engine_secret=secret), [])
         self.server = LocalServer(self.app)
         self.url = self.server.url
         args = ["--num-threads", "1", "--kv-cache-tokens", str(cfg.kv_tokens), "--local-policy", cfg.local_policy]
         if cfg.model:
             args += ["--model", cfg.model]
         try:
-            self.procs = start_engines(cfg.engines, self.url, engine_args=args, prefix=policy,
+            self.procs = start_engines(cfg.engines, self.url, secret=secret, engine_args=args, prefix=policy,
                                        heartbeat_s=cfg.heartbeat_s, output=output)
         except BaseException:
             self.server.stop()

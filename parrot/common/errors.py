@@ -61,6 +61,18 @@ class InvalidSessionToken(AuthenticationError):
     code = "invalid_session_token"
 
 
+class InvalidEngineSecret(AuthenticationError):
+    code = "invalid_engine_secret"
+
+
+class EngineRegistrationClosed(ParrotError):
+    """The server has no engine secret: no engine may register or heartbeat over HTTP."""
+
+    status_code = 403
+    error_type = "permission_error"
+    code = "engine_registration_closed"
+
+
 class NotFoundError(ParrotError):
     status_code = 404
     error_type = "invalid_request_error"
@@ -97,10 +109,20 @@ class VariableAlreadySet(ConflictError):
     code = "variable_already_set"
 
 
+class EngineNameTaken(ConflictError):
+    code = "engine_name_taken"
+
+
 class PayloadTooLarge(ParrotError):
     status_code = 413
     error_type = "invalid_request_error"
     code = "payload_too_large"
+
+
+class RateLimited(ParrotError):
+    status_code = 429
+    error_type = "rate_limit_error"
+    code = "rate_limited"
 
 
 # ---- failures of a step, reported at every dependent get ---------------------------------------------------
@@ -125,6 +147,15 @@ class TransformFailed(ParrotError):
     status_code = 422
     error_type = "transform_error"
     code = "transform_failed"
+
+
+class ConstraintIncomplete(ParrotError):
+    """A constrained output ended before its grammar was complete (max_tokens, a stop string, the window): the
+    value would not parse, so the step fails instead of passing it on."""
+
+    status_code = 422
+    error_type = "constraint_error"
+    code = "constraint_incomplete"
 
 
 # ---- 5xx: the service could not do it ----------------------------------------------------------------------

@@ -102,7 +102,7 @@ class LocalEngineClient(EngineClient):
         return self.engine.tokenizer.encode(text)
 
     async def detokenize(self, token_ids: list[int]) -> str:
-        return self.engine.tokenizer.decode(token_ids)
+        return self.engine.tokenizer.decode(self.engine.check_tokens(token_ids))  # ids outside the vocabulary: 400
 
     async def model_info(self) -> ModelInfo:
         return self._info

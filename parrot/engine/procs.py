@@ -37,11 +37,15 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-class EngineProcess:
-    """One `parrot engine --manager-url URL` process."""
+MANAGER_SECRET_ENV = "PARROT_ENGINE_SERVER_MANAGER_SECRET"  # EngineServerSettings.manager_secret
 
-    def __init__(self, name: str, manager_url: str, *, port: int | None = None, engine_args: Sequence[str] = (),
-                 heartbeat_s: float | None = None, output: IO | int | None = None,
+
+class EngineProcess:
+    """One `parrot engine --manager-url URL` process. ``secret``: the manager's engine secret, handed over in the
+    child's environment (never on its command line, which other users of the machine can read)."""
+
+    def __init__(self, name: str, manager_url: str, *, secret: str | None = None, port: int | None = None,
+                 engine_args: Sequence[str] = (), heartbeat_s: float | None = None, output: IO | int | None = None,
                  env: dict[str, str] | None = None) -> None:
         self.name = name
         self.port = port or free_port()
@@ -51,8 +55,10 @@ class EngineProcess:
         if heartbeat_s is not None:
             cmd += ["--heartbeat-s", str(heartbeat_s)]
         self.cmd = cmd
-        self._proc = subprocess.Popen(cmd, stdout=output, stderr=output, preexec_fn=_die_with_parent,
-                                      env={**os.environ, **(env or {})})
+        child_env = {**os.environ, **(env or {})}
+        if secret is not None:
+            child_env[MANAGER_SECRET_ENV] = secret
+        self._proc = subprocess.Popen(cmd, stdout=output, stderr=output, preexec_fn=_die_with_parent, env=child_env)
         log.info("started engine %s (pid %d) on %s", name, self._proc.pid, self.url)
 
     @property
@@ -81,13 +87,14 @@ class EngineProcess:
             self.kill()
 
 
-def start_engines(n: int, manager_url: str, *, engine_args: Sequence[str] = (), prefix: str = "engine",
-                  heartbeat_s: float | None = None, output: IO | int | None = None) -> list[EngineProcess]:
-    """``n`` engine processes named ``{prefix}-0`` ... registering with ``manager_url``."""
+def start_engines(n: int, manager_url: str, *, secret: str | None = None, engine_args: Sequence[str] = (),
+                  prefix: str = "engine", heartbeat_s: float | None = None,
+                  output: IO | int | None = None) -> list[EngineProcess]:
+    """``n`` engine processes named ``{prefix}-0`` ... registering with ``manager_url`` (engine secret ``secret``)."""
     procs: list[EngineProcess] = []
     try:
         for i in range(n):
-            procs.append(EngineProcess(f"{prefix}-{i}", manager_url, engine_args=engine_args,
+            procs.append(EngineProcess(f"{prefix}-{i}", manager_url, secret=secret, engine_args=engine_args,
                                        heartbeat_s=heartbeat_s, output=output))
     except BaseException:
         stop_all(procs)

@@ -15,17 +15,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 from collections.abc import AsyncIterator
 
 import anyio
 import httpx
 from fastapi import FastAPI
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from parrot.common.sampling import SamplingParams
 from parrot.engine.interface import EngineClient
 from parrot.engine.wire import (
+    ENGINE_SECRET_HEADER,
     DetokenizeRequest,
     FillRequest,
     FreeRequest,
@@ -47,6 +49,8 @@ class EngineServerSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(9000, ge=0, le=65535)
     manager_url: str | None = Field(None, description="register with this manager and send heartbeats")
+    manager_secret: SecretStr | None = Field(None, description="the manager's engine secret (its --engine-secret), "
+                                             "sent with registration and heartbeats")
     advertise_url: str | None = Field(None, description="URL the manager should call; default http://host:port")
     heartbeat_s: float = Field(1.0, gt=0, le=60)
 
@@ -134,22 +138,37 @@ async def _register_loop(client: EngineClient, settings: EngineServerSettings) -
     """Register with the manager, then heartbeat with status; re-register whenever the manager forgets us."""
     url = settings.advertise_url or f"http://{settings.host}:{settings.port}"
     base = settings.manager_url.rstrip("/")
+    instance = secrets.token_urlsafe(16)  # this process: the manager keeps our name for us, not for a newcomer
+    secret = settings.manager_secret.get_secret_value() if settings.manager_secret is not None else ""
+    headers = {ENGINE_SECRET_HEADER: secret} if secret else {}
     registered = False
-    async with httpx.AsyncClient(timeout=5.0) as http:
+    async with httpx.AsyncClient(timeout=5.0, headers=headers) as http:
         while True:
             try:
                 status = to_json(await client.status())
                 if not registered:
-                    r = await http.post(f"{base}/api/v1/engines/register", json={"name": client.name, "url": url})
+                    r = await http.post(f"{base}/api/v1/engines/register",
+                                        json={"name": client.name, "url": url, "instance": instance})
                     r.raise_for_status()
                     registered = True
                     log.info("registered with manager %s as %s", base, client.name)
-                r = await http.post(f"{base}/api/v1/engines/{client.name}/heartbeat", json={"status": status})
+                r = await http.post(f"{base}/api/v1/engines/{client.name}/heartbeat",
+                                    json={"status": status, "instance": instance})
                 if r.status_code == 404:
                     registered = False  # the manager restarted or declared us dead: register again
                 else:
                     r.raise_for_status()
+            except httpx.HTTPStatusError as e:  # refused: bad secret, name taken... (retried: it may change)
+                registered = False
+                log.warning("manager %s refused %s: %s", base, e.request.url.path, _error_message(e.response))
             except httpx.HTTPError as e:
                 registered = False
                 log.warning("manager %s unreachable (%s); retrying", base, e)
             await asyncio.sleep(settings.heartbeat_s)
+
+
+def _error_message(resp: httpx.Response) -> str:
+    try:
+        return f"{resp.status_code} {resp.json()['error']['message']}"
+    except (ValueError, KeyError, TypeError):
+        return f"{resp.status_code} {resp.text[:200]}"

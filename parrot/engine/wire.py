@@ -16,6 +16,9 @@ from enum import Enum
 from parrot.common.sampling import FinishReason, PositionLogprobs, TokenLogprob
 from parrot.engine.interface import EngineStatus, FillResult, GenerateChunk, GenerateResult, ModelInfo
 
+# the header an engine proves itself with to the manager (registration, heartbeats): the manager's engine secret
+ENGINE_SECRET_HEADER = "X-Parrot-Engine-Secret"
+
 _ID = Field(min_length=1, max_length=256)
 
 

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +58,18 @@ def _raise_for(resp: httpx.Response) -> None:
     raise error_from_body(resp.status_code, body)
 
 
+RETRIES = 3  # extra attempts of a call whose connection failed (see _retryable)
+RETRY_BACKOFF_S = 0.1  # doubled per attempt
+
+
+def _retryable(method: str, err: httpx.TransportError) -> bool:
+    """Whether a call that failed with ``err`` may be sent again without doing its work twice: GET and DELETE
+    always (reading a variable, dropping a session: repeating them changes nothing); any call whose connection was
+    never made (the server cannot have seen it). A POST / PUT on a dropped connection may have been done, so it is
+    reported, not repeated."""
+    return method in ("GET", "DELETE") or isinstance(err, (httpx.ConnectError, httpx.ConnectTimeout))
+
+
 class Session:
     """A server-side session plus the HTTP clients that talk to it; also runs native functions.
 
@@ -96,10 +109,15 @@ class Session:
     def _request(self, method: str, path: str, **kwargs: Any) -> dict:
         if self.closed:
             raise NotConnected(f"session {self.session_id} is closed")
-        try:
-            resp = self._http.request(method, path, **kwargs)
-        except httpx.TransportError as e:
-            raise ServerUnreachable(f"cannot reach Parrot server at {self.url}: {e}") from e
+        for attempt in range(RETRIES + 1):
+            try:
+                resp = self._http.request(method, path, **kwargs)
+                break
+            except httpx.TransportError as e:
+                if attempt == RETRIES or not _retryable(method, e):
+                    raise ServerUnreachable(f"cannot reach Parrot server at {self.url}: {e!r}") from e
+                log.info("%s %s: %r; retrying (%d of %d)", method, path, e, attempt + 1, RETRIES)
+                time.sleep(RETRY_BACKOFF_S * 2 ** attempt)
         _raise_for(resp)
         return resp.json()
 
@@ -116,10 +134,15 @@ class Session:
     async def _arequest(self, method: str, path: str, **kwargs: Any) -> dict:
         if self.closed:
             raise NotConnected(f"session {self.session_id} is closed")
-        try:
-            resp = await self._aclient().request(method, path, **kwargs)
-        except httpx.TransportError as e:
-            raise ServerUnreachable(f"cannot reach Parrot server at {self.url}: {e}") from e
+        for attempt in range(RETRIES + 1):
+            try:
+                resp = await self._aclient().request(method, path, **kwargs)
+                break
+            except httpx.TransportError as e:
+                if attempt == RETRIES or not _retryable(method, e):
+                    raise ServerUnreachable(f"cannot reach Parrot server at {self.url}: {e!r}") from e
+                log.info("%s %s: %r; retrying (%d of %d)", method, path, e, attempt + 1, RETRIES)
+                await asyncio.sleep(RETRY_BACKOFF_S * 2 ** attempt)
         _raise_for(resp)
         return resp.json()
 

@@ -133,9 +133,11 @@ class Manager:
             t.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         self._background.clear()
-        for session in self.sessions.all():
+        sessions = self.sessions.all()
+        for session in sessions:
             self.sessions.pop(session.session_id)
-            await self._close(session)
+        # all at once: closing one by one waited for each session's engine frees in turn (slow exits under backlog)
+        await asyncio.gather(*(self._close(s) for s in sessions), return_exceptions=True)
         await self.sharing.close()
         await self.dispatcher.close()
 
@@ -161,12 +163,13 @@ class Manager:
         return len(expired)
 
     # ---- sessions -------------------------------------------------------------------------------------------
-    def create_session(self, ttl_s: float | None = None) -> SessionState:
-        return self.sessions.create(ttl_s)
+    def create_session(self, ttl_s: float | None = None, *, owner: str = "anonymous",
+                       owner_limit: int | None = None) -> SessionState:
+        return self.sessions.create(ttl_s, owner=owner, owner_limit=owner_limit)
 
-    def session(self, session_id: str, token: str | None) -> SessionState:
-        """Authenticate; raises UnknownSession (404) or InvalidSessionToken (401)."""
-        return self.sessions.authenticate(session_id, token)
+    def session(self, session_id: str, token: str | None, owner: str = "anonymous") -> SessionState:
+        """Authenticate; raises UnknownSession (404: unknown, or another tenant's) or InvalidSessionToken (401)."""
+        return self.sessions.authenticate(session_id, token, owner)
 
     async def delete_session(self, session: SessionState) -> None:
         self.sessions.pop(session.session_id)

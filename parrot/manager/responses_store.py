@@ -8,8 +8,8 @@ One turn::
 
 Instructions are per request (as OpenAI does, they are not carried to the next turn). The next turn renders the
 old turns as the chat template rendered them before, so the engine's prefix cache serves them
-(``Usage.cached_tokens``). An entry is visible only to its owner (the API key that created it): another owner's
-id, an expired one and an unknown one are the same ``previous_response_not_found`` / ``response_not_found``.
+(``Usage.cached_tokens``). An entry is visible only to its owner (the tenant whose API key created it): another
+owner's id, an expired one and an unknown one are the same ``previous_response_not_found`` / ``response_not_found``.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ class SessionState:
     # live engine contexts owned by the session: context id -> engine name (freed by whoever removes them)
     contexts: dict[str, str] = field(default_factory=dict)
     closed: bool = False
+    owner: str = "anonymous"  # the tenant that created it: only that tenant finds it (others get 404)
 
     def expired(self, now: float) -> bool:
         return now - self.last_access > self.ttl_s
@@ -53,27 +54,33 @@ class SessionStore:
         self.clock = clock
         self._sessions: dict[str, SessionState] = {}
 
-    def create(self, ttl_s: float | None = None) -> SessionState:
+    def create(self, ttl_s: float | None = None, *, owner: str = "anonymous",
+               owner_limit: int | None = None) -> SessionState:
+        """A new session of tenant ``owner``; ``owner_limit``: that tenant's most live sessions."""
         ttl = self.default_ttl_s if ttl_s is None else float(ttl_s)
         if not 0 < ttl <= self.max_ttl_s:
             raise InvalidRequestError(f"ttl_s must be in (0, {self.max_ttl_s}], got {ttl_s}", param="ttl_s")
         if len(self._sessions) >= self.max_sessions:
             raise InvalidRequestError(f"too many open sessions (limit {self.max_sessions}); delete unused ones")
+        if owner_limit is not None and sum(1 for x in self._sessions.values() if x.owner == owner) >= owner_limit:
+            raise InvalidRequestError(f"tenant {owner!r} has {owner_limit} open sessions, its max_sessions limit; "
+                                      "delete unused ones", param="max_sessions")
         sid = "s_" + secrets.token_urlsafe(18)
         now = self.clock()
         session = SessionState(session_id=sid, token=secrets.token_urlsafe(32), ttl_s=ttl,
                           graph=Graph(sid, max_nodes=self.max_nodes_per_session, clock=self.clock), last_access=now,
-                          created_at=now)
+                          created_at=now, owner=owner)
         self._sessions[sid] = session
         return session
 
-    def authenticate(self, session_id: str, token: str | None) -> SessionState:
-        """The session if ``token`` matches (constant-time compare); touches it.
+    def authenticate(self, session_id: str, token: str | None, owner: str = "anonymous") -> SessionState:
+        """The session if it belongs to ``owner`` and ``token`` matches (constant-time compare); touches it.
 
-        Raises UnknownSession (404) for an unknown or expired id, InvalidSessionToken (401) for a bad token.
+        Raises UnknownSession (404) for an unknown or expired id or another tenant's session (its existence is
+        not revealed), InvalidSessionToken (401) for a bad token.
         """
         session = self._sessions.get(session_id)
-        if session is None or session.expired(self.clock()):
+        if session is None or session.expired(self.clock()) or session.owner != owner:
             raise UnknownSession(f"unknown session {session_id!r} (deleted or expired?)", param="session_id")
         if not token or not secrets.compare_digest(token.encode(), session.token.encode()):
             raise InvalidSessionToken(f"missing or wrong session token for session {session_id!r} "
