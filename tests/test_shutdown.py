@@ -58,7 +58,6 @@ def test_sigterm_exits_within_the_grace_period_despite_long_polls_and_a_backlog(
         poller.join(30)
         assert took < 2 + 8, f"exit took {took:.1f} s"  # the grace, plus closing sessions and the engine
         assert answers and answers[0] != 200  # the long poll was cut, not answered with a value
-        assert proc.returncode is not None
     finally:
         if proc.poll() is None:
             proc.kill()

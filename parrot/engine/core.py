@@ -125,6 +125,10 @@ class EngineCore(abc.ABC):
         self.step_stats = StepStats()
         self._plan_started: tuple[float, int, int, int] | None = None
         self._cached_status = cached_status
+        # what placement may count on (parrot.engine.interface.EngineCapabilities): fixed once the engine is built
+        self._capabilities = EngineCapabilities(
+            shared_prefix_attention=bool(getattr(runner, "shared_prefix_attention", False)), fork=True,
+            prefix_cache=pool.enable_prefix_cache, kv_tokens=pool.num_blocks * pool.block_size).to_wire()
         self._status = self.snapshot()
 
     # ---- the owner ---------------------------------------------------------------------------------------------
@@ -520,11 +524,7 @@ class EngineCore(abc.ABC):
                    # eviction notices for the global scheduler's prefix tree (Preble §4.3; parrot.manager.policies.e2)
                    "kv_evicted": {"seq": self.pool.num_evicted, "hashes": list(self.pool.evicted_log)},
                    "token_cap": sch.token_cap, "step_stats": self.step_stats.to_wire(),
-                   # what placement may count on (parrot.engine.interface.EngineCapabilities)
-                   "capabilities": EngineCapabilities(
-                       shared_prefix_attention=bool(getattr(self.runner, "shared_prefix_attention", False)),
-                       fork=True, prefix_cache=self.pool.enable_prefix_cache,
-                       kv_tokens=self.pool.num_blocks * self.pool.block_size).to_wire(),
+                   "capabilities": dict(self._capabilities),
                    **({"numerics": self.numerics} if self.numerics else {})},
         )
 

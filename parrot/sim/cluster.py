@@ -205,19 +205,25 @@ class SimCluster:
     async def run_baseline_app(self, app: App) -> float:
         """Render and call step by step; a step starts once its inputs are back on the client (map steps run
         concurrently, as LangChain's map-reduce does)."""
+        return await self._run_baseline([(step, OUT, app.output_len) for step in app.steps], [app.final])
+
+    async def _run_baseline(self, steps, finals: list[str]) -> float:
+        """The request-centric client over ``steps`` ((step, output name, output tokens)): each step is rendered
+        and called once its inputs are back (independent steps concurrently), one round trip per call; returns
+        virtual seconds until every step named in ``finals`` is back."""
         t0 = self.clock()
         tasks: dict[str, asyncio.Future[str]] = {}
 
-        async def run_step(step) -> str:
+        async def run_step(step, out: str, tokens: int) -> str:
             values = {}
             for key, ref in step.inputs:
                 values[key] = ref.text if isinstance(ref, Const) else await tasks[ref.step]
-            prompt = render_template(parse_template(step.template), values, until=OUT)
-            return (await self.complete(prompt, app.output_len)).text
+            prompt = render_template(parse_template(step.template), values, until=out)
+            return (await self.complete(prompt, tokens)).text
 
-        for step in app.steps:
-            tasks[step.name] = asyncio.ensure_future(run_step(step))
-        await tasks[app.final]
+        for step, out, tokens in steps:
+            tasks[step.name] = asyncio.ensure_future(run_step(step, out, tokens))
+        await asyncio.gather(*(tasks[n] for n in finals))
         return self.clock() - t0
 
     async def run_app(self, app: App, mode: str, criteria: str = "latency") -> float:
@@ -248,20 +254,7 @@ class SimCluster:
     async def run_baseline_workflow(self, wf: Workflow) -> float:
         """The request-centric client: render and call each step once its inputs are back (parallel steps
         concurrently), one round trip per call."""
-        t0 = self.clock()
-        tasks: dict[str, asyncio.Future[str]] = {}
-
-        async def run_step(step) -> str:
-            values = {}
-            for key, ref in step.inputs:
-                values[key] = ref.text if isinstance(ref, Const) else await tasks[ref.step]
-            prompt = render_template(parse_template(step.template), values, until=WF_OUT)
-            return (await self.complete(prompt, step.max_tokens)).text
-
-        for step in wf.steps:
-            tasks[step.name] = asyncio.ensure_future(run_step(step))
-        await asyncio.gather(*(tasks[n] for n in wf.finals))
-        return self.clock() - t0
+        return await self._run_baseline([(step, WF_OUT, step.max_tokens) for step in wf.steps], list(wf.finals))
 
     def engine_stats(self) -> dict:
         return {e.name: {"steps": e.num_steps, "busy_s": round(e.busy_s, 3), "tokens": e.num_tokens_computed,
