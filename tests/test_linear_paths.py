@@ -52,10 +52,13 @@ def test_bf16_plans_take_native_int4_over_the_vnni_kernel(fake_kernels, path: Cp
                                                                        NATIVE_Q8_0_MAX_ROWS)
     assert choose_path("none", dtype, PACKABLE, kernels) == LinearPath(VnniWeight)
     assert choose_path("int8", dtype, PACKABLE, kernels) == LinearPath(VnniWeight, Int8Weight, INT8_MAX_ROWS)
-    # shapes the native kernels cannot take: torch's int4 over oneDNN's packs
+    # shapes the native kernels cannot take: torch's int4 over oneDNN's packs, or int8 where the int4 groups of 32
+    # cannot split in_features
     assert choose_path(quant, dtype, [(48, 64)], kernels) == LinearPath(PackedBf16Weight, NativeInt4Weight,
                                                                         NATIVE_INT4_MAX_ROWS)
-    assert choose_path(quant, dtype, ODD, kernels) == LinearPath(PackedBf16Weight, Int4Weight, INT4_MAX_ROWS_PACKED)
+    assert choose_path(quant, dtype, [(40, 64)], kernels) == LinearPath(PackedBf16Weight, Int4Weight,
+                                                                        INT4_MAX_ROWS_PACKED)
+    assert choose_path(quant, dtype, ODD, kernels) == LinearPath(PackedBf16Weight, Int8Weight, INT8_MAX_ROWS)
     assert choose_path("q8_0", dtype, ODD, kernels) == LinearPath(PackedBf16Weight)
 
 
@@ -89,6 +92,13 @@ def test_torch_plans_take_torch_kernels(fake_kernels) -> None:
     # bf16 without oneDNN packing: torch's int4 up to its own limit over the dense weight
     assert choose_path("int4", torch.bfloat16, PACKABLE, MatmulKernels()) == LinearPath(DenseWeight, Int4Weight,
                                                                                         INT4_MAX_ROWS)
+    # in_features the int4 groups (32) cannot split (a small model's width, e.g. 112): the int8 rule, on every plan
+    # whose int4 is not qdot or the native kernel (both of which refuse the shape too)
+    odd = [(64, 112)]
+    assert choose_path("int4", torch.bfloat16, odd, MatmulKernels()) == LinearPath(DenseWeight, Int8Weight,
+                                                                                   INT8_MAX_ROWS)
+    assert choose_path("int4", torch.float32, odd, MatmulKernels()) == LinearPath(DenseWeight, Int8Weight,
+                                                                                  INT8_MAX_ROWS)
 
 
 def test_bad_quant_is_rejected() -> None:

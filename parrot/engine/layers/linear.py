@@ -5,7 +5,8 @@ numerics path is chosen once, at load, from the matmul kernels the engine's Nume
 
     quant             qdot kernel (avx2 / avx512 plans)    otherwise
     "int4"            QDotWeight                           NativeInt4Weight > base   (bf16, native int4 kernel)
-                                                           Int4Weight > base         (else)
+                                                           Int4Weight > base         (else, in_features % 32 == 0)
+                                                           Int8Weight > base         (else)
     "int8"            QDotWeight                           Int8Weight > base
     "q8_0" (a head)   -                                    NativeInt4Weight > base   (bf16, native int4 kernel)
                                                            base                      (else)
@@ -29,8 +30,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from parrot.engine.layers.int4 import (Int4Weight, NativeInt4, NativeInt4Weight, int4_max_rows, native_int4,
-                                       native_int4_max_rows)
+from parrot.engine.layers.int4 import (INT4_GROUP, Int4Weight, NativeInt4, NativeInt4Weight, int4_max_rows,
+                                       native_int4, native_int4_max_rows)
 from parrot.engine.layers.int8 import INT8_MAX_ROWS, Int8Weight
 from parrot.engine.layers.packed import (PackedBf16Weight, VnniKernel, VnniWeight, packed_gemm_available,
                                          vnni_kernel)
@@ -104,8 +105,10 @@ def choose_path(quant: str, dtype: torch.dtype, shapes: Sequence[tuple[int, int]
     if quant in ("int4", "q8_0") and kernels.int4 is not None and dtype == torch.bfloat16 \
             and NativeInt4.packable(n, k):
         return LinearPath(base, NativeInt4Weight, native_int4_max_rows(kernels.int4, quant))
-    if quant == "int4":
+    if quant == "int4" and k % INT4_GROUP == 0:
         return LinearPath(base, Int4Weight, int4_max_rows(base))
+    if quant == "int4":
+        quant = "int8"  # in_features the int4 groups cannot split (a small model's odd width): the int8 rule
     if quant == "int8":
         return LinearPath(base, Int8Weight, INT8_MAX_ROWS)
     return LinearPath(base)  # "none", or "q8_0" without the native kernel
