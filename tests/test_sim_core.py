@@ -214,15 +214,24 @@ def test_engine_streams_tokens_with_the_finish_on_the_last_chunk():
     async def main():
         e = SimEngine("e", TINY)
         await e.fill([100, 101, 102], "s")
-        client = LocalEngineClient(e, owns_engine=False)  # the builtin engine's in-process client
+        # the builtin engine's in-process client; interval 0: a chunk per token
+        client = LocalEngineClient(e, owns_engine=False, stream_interval_s=0)
         chunks = [c async for c in client.generate_stream(SamplingParams(max_tokens=4, ignore_eos=True), "s")]
+        # the default interval (20 ms of the engine's clock) merges the tokens of the steps in between
+        merging = LocalEngineClient(e, owns_engine=False)
+        await e.fill([100, 101, 102], "t")
+        merged = [c async for c in merging.generate_stream(SamplingParams(max_tokens=40, ignore_eos=True), "t")]
         e.shutdown()
-        return chunks
+        return chunks, merged
 
-    chunks = run_virtual(main())
+    chunks, merged = run_virtual(main())
     assert [c.token_ids for c in chunks] == [(GEN_TOKEN,)] * 4
     assert [c.finish_reason for c in chunks] == [None, None, None, FinishReason.LENGTH]
     assert "".join(c.text for c in chunks).split() == ["tok"] * 4
+    assert [t for c in merged for t in c.token_ids] == [GEN_TOKEN] * 40 and 1 < len(merged) < 40
+    assert [c.finish_reason for c in merged][-1] is FinishReason.LENGTH
+    assert all(c.finish_reason is None for c in merged[:-1])
+    assert "".join(c.text for c in merged).split() == ["tok"] * 40
 
 
 def test_a_command_arriving_mid_iteration_waits_for_its_end_as_in_the_builtin_engine():

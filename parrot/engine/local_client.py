@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator
 
 from parrot.common.errors import ParrotError
@@ -23,11 +24,20 @@ from parrot.engine.interface import (
 
 log = logging.getLogger(__name__)
 
+# how often a stream hands the tokens decoded meanwhile to the event loop (see generate_stream): ~3-6 decode steps
+# of a small model on a CPU, well under what a reader notices
+STREAM_INTERVAL_S = 0.02
+
 
 class LocalEngineClient(EngineClient):
-    def __init__(self, engine: EngineCore, *, owns_engine: bool = True) -> None:
-        """``owns_engine``: :meth:`close` shuts the engine down (a thread join, off the event loop)."""
+    def __init__(self, engine: EngineCore, *, owns_engine: bool = True,
+                 stream_interval_s: float = STREAM_INTERVAL_S) -> None:
+        """``owns_engine``: :meth:`close` shuts the engine down (a thread join, off the event loop);
+        ``stream_interval_s``: see :meth:`generate_stream`."""
+        if stream_interval_s < 0:
+            raise ValueError(f"stream_interval_s must be >= 0, got {stream_interval_s!r}")
         self.engine = engine
+        self.stream_interval_s = stream_interval_s
         self.name = engine.name
         self._owns = owns_engine
         tok = engine.tokenizer
@@ -50,35 +60,57 @@ class LocalEngineClient(EngineClient):
     async def generate_stream(
         self, sampling: SamplingParams, context_id: str, parent_context_id: str | None = None
     ) -> AsyncIterator[GenerateChunk]:
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue[GenerateChunk] = asyncio.Queue()
+        """Increments of one generation, handed over at most every ``stream_interval_s`` of the engine's clock
+        (the first one and the last one at once): the chunks of the tokens decoded meanwhile arrive merged (their
+        tokens, text and logprobs in order). One wake-up of the event loop per interval instead of per token is
+        what keeps streaming every output (the executor does) nearly free, here and behind an engine server.
 
-        def on_chunk(chunk: GenerateChunk) -> None:
-            loop.call_soon_threadsafe(q.put_nowait, chunk)
+            engine thread: on_chunk -> buffer (locked); first / final / interval elapsed -> wake the loop
+            event loop:    wake -> take the buffer -> one merged chunk -> the consumer
+        """
+        loop = asyncio.get_running_loop()
+        lock = threading.Lock()
+        buffer: list[GenerateChunk] = []
+        wake = asyncio.Event()
+        clock, interval = self.engine.clock, self.stream_interval_s
+        last_wake: list[float | None] = [None]
+
+        def on_chunk(chunk: GenerateChunk) -> None:  # the engine's thread (or the loop, for the simulator)
+            now = clock()
+            with lock:
+                buffer.append(chunk)
+            due = last_wake[0] is None or chunk.finish_reason is not None or now - last_wake[0] >= interval
+            if due:
+                last_wake[0] = now
+                loop.call_soon_threadsafe(wake.set)
+
+        def take() -> list[GenerateChunk]:
+            with lock:
+                out = buffer[:]
+                buffer.clear()
+            return out
 
         fut = asyncio.wrap_future(self.engine.generate(sampling, context_id, parent_context_id, on_chunk=on_chunk))
+        fut.add_done_callback(lambda _: wake.set())  # the op is over: no chunk joins the buffer after this
         finished = False
         try:
             while True:
-                getter = asyncio.ensure_future(q.get())
-                done, _ = await asyncio.wait({getter, fut}, return_when=asyncio.FIRST_COMPLETED)
-                if getter in done:
-                    chunk = getter.result()
+                if not fut.done():
+                    await wake.wait()
+                    wake.clear()
+                chunks = take()
+                if chunks:
+                    chunk = merge_chunks(chunks)
                     yield chunk
                     if chunk.finish_reason is not None:
                         finished = True
                         break
                     continue
-                getter.cancel()
+                if not fut.done():
+                    continue
                 res = fut.result()  # raises the typed error of a failed generate
-                while not q.empty():
-                    chunk = q.get_nowait()
-                    yield chunk
-                    if chunk.finish_reason is not None:
-                        finished = True
-                if not finished:  # aborted (context freed) without a final token
-                    finished = True
-                    yield GenerateChunk((), "", res.finish_reason)
+                finished = True  # aborted (context freed) without a final token
+                yield GenerateChunk((), "", res.finish_reason)
                 break
         finally:
             if not finished and not fut.done():
@@ -110,3 +142,11 @@ class LocalEngineClient(EngineClient):
     async def close(self) -> None:
         if self._owns:
             await asyncio.to_thread(self.engine.shutdown)
+
+
+def merge_chunks(chunks: list[GenerateChunk]) -> GenerateChunk:
+    """Consecutive chunks of one generation as one (tokens, text and logprobs concatenated in order)."""
+    if len(chunks) == 1:
+        return chunks[0]
+    return GenerateChunk(tuple(t for c in chunks for t in c.token_ids), "".join(c.text for c in chunks),
+                         chunks[-1].finish_reason, tuple(lp for c in chunks for lp in c.logprobs))

@@ -8,6 +8,7 @@ A variable has one of three origins:
   pushes the value to the server if the variable was ever passed to a semantic function.
 
 A variable is bound lazily to one session (created on the server the first time a call needs its id).
+``stream`` / ``astream`` (``async for piece in var``) yield the value in pieces while the server generates it.
 ``get`` / ``aget`` long-poll the server in chunks and annotate the fetch with a performance criterion
 (the paper's GetPerfObj): ``LATENCY`` / ``THROUGHPUT``, or :class:`Latency` with targets (time to first token,
 time per output token, a deadline), which the scheduler orders and caps by (docs/api.md). A failed producer
@@ -22,8 +23,10 @@ import asyncio
 import concurrent.futures
 import enum
 import logging
+import math
 import threading
 import time
+from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING
 
 from parrot.common.errors import InvalidRequestError, ParrotError, StepFailed, VariableAlreadySet
@@ -65,6 +68,31 @@ def _criteria(perf: Perf) -> tuple[str, Latency | None]:
         known = ", ".join(c.value for c in PerfCriteria)
         raise InvalidRequestError(f"unknown perf criterion {perf!r} (known: {known}, or Latency(...))",
                                   param="perf") from None
+
+
+def _fetch_params(perf: Perf, ttft_ms: float | None, tpot_ms: float | None,
+                  deadline_s: float | None) -> tuple[str, dict[str, float]]:
+    """(criterion name, latency-target query parameters) of a get / stream.
+
+    The keyword targets are the HTTP API's own GET parameters and are sent exactly as given (so the manager's
+    deduction sees what a raw ``GET ...?ttft_ms=`` would give it); ``Latency(...)`` is converted by its
+    :meth:`~parrot.common.perf.LatencyTargets.query`. Each is None or a positive finite number; targets need the
+    LATENCY criterion and come one way or the other, not both (InvalidRequestError naming the argument)."""
+    criteria, latency = _criteria(perf)
+    given = {k: v for k, v in (("ttft_ms", ttft_ms), ("tpot_ms", tpot_ms), ("deadline_s", deadline_s))
+             if v is not None}
+    for name, value in given.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+            raise InvalidRequestError(f"{name} must be a positive finite number, got {value!r}", param=name)
+    if not given:
+        return criteria, latency.query() if latency is not None else {}
+    if latency is not None:
+        raise InvalidRequestError("give latency targets either as perf=Latency(...) or as ttft_ms / tpot_ms / "
+                                  "deadline_s, not both", param="perf")
+    if criteria != PerfCriteria.LATENCY.value:
+        raise InvalidRequestError(f"latency targets ({', '.join(given)}) need perf=LATENCY, got {criteria!r}",
+                                  param="perf")
+    return criteria, given
 
 
 class _Origin(enum.Enum):
@@ -185,13 +213,17 @@ class SemanticVariable:
             self._value = value
         return value is not None
 
-    def get(self, perf: Perf = LATENCY, timeout: float | None = None) -> str:
+    def get(self, perf: Perf = LATENCY, timeout: float | None = None, *, ttft_ms: float | None = None,
+            tpot_ms: float | None = None, deadline_s: float | None = None) -> str:
         """Block until the value exists and return it. ``perf`` annotates the fetch: LATENCY, THROUGHPUT or
-        :class:`Latency` with targets (sent with the first poll; the server keeps them for the variable).
+        :class:`Latency` with targets; or LATENCY with the HTTP API's target parameters as keywords
+        (``ttft_ms``, ``tpot_ms``, ``deadline_s``, sent as given). Targets go with the first poll; the server
+        keeps them for the variable.
 
-        Raises the producer's typed error (see module docstring); TimeoutError after ``timeout`` seconds.
+        Raises the producer's typed error (see module docstring); TimeoutError after ``timeout`` seconds;
+        InvalidRequestError for a bad criterion or target.
         """
-        criteria, targets = _criteria(perf)
+        criteria, targets = _fetch_params(perf, ttft_ms, tpot_ms, deadline_s)
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._value is not None:
             return self._value
@@ -209,16 +241,17 @@ class SemanticVariable:
             except StepFailed as e:
                 self._error = e
                 raise
-            targets = None  # recorded by the first poll (a relative deadline re-sent later would move)
+            targets = {}  # recorded by the first poll (a relative deadline re-sent later would move)
             if value is not None:
                 self._value = value
                 return value
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"{self!r} not ready after {timeout} s")
 
-    async def aget(self, perf: Perf = LATENCY, timeout: float | None = None) -> str:
+    async def aget(self, perf: Perf = LATENCY, timeout: float | None = None, *, ttft_ms: float | None = None,
+                   tpot_ms: float | None = None, deadline_s: float | None = None) -> str:
         """``await`` version of :meth:`get` (uses the session's async HTTP client)."""
-        criteria, targets = _criteria(perf)
+        criteria, targets = _fetch_params(perf, ttft_ms, tpot_ms, deadline_s)
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._value is not None:
             return self._value
@@ -239,12 +272,113 @@ class SemanticVariable:
             except StepFailed as e:
                 self._error = e
                 raise
-            targets = None
+            targets = {}
             if value is not None:
                 self._value = value
                 return value
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"{self!r} not ready after {timeout} s")
+
+    # ---- streaming --------------------------------------------------------------------------------------------
+    def stream(self, perf: Perf = LATENCY, *, ttft_ms: float | None = None, tpot_ms: float | None = None,
+               deadline_s: float | None = None) -> Iterator[str]:
+        """The value in pieces as the server generates it (``GET .../stream``, docs/api.md)::
+
+            for piece in answer.stream():
+                print(piece, end="", flush=True)
+
+        Counts as a :meth:`get` with the same ``perf`` / targets (validated now, not at the first ``next``). The
+        pieces are the generated text (stop strings never in it); they join to the value unless the output has
+        transforms (then they are the text before the transforms; :meth:`get` answers the value at once after
+        the stream). A variable that is not generated (set by the client, a native function's output) yields its
+        value as one piece. A failed producer or upstream step raises its typed error where the stream is."""
+        criteria, targets = _fetch_params(perf, ttft_ms, tpot_ms, deadline_s)
+        return self._stream(criteria, targets)
+
+    def _stream(self, criteria: str, targets: dict[str, float]) -> Iterator[str]:
+        if self._value is None and self._error is None and self._native is not None:
+            concurrent.futures.wait([self._native])  # the native function's outcome is read below
+        known = self._known_outcome()
+        if known is not None:
+            if known:
+                yield known
+            return
+        # a semantic output waits server-side for its native inputs: a failed one would never arrive
+        concurrent.futures.wait(self._native_ancestors())
+        self._check_native_ancestors()
+        var_id = self._bind(self._session)
+        try:
+            for event in self._session.stream_variable(var_id, {"criteria": criteria, **targets}):
+                piece = self._take(event)
+                if piece is not None:
+                    yield piece
+        except StepFailed as e:
+            self._error = e
+            raise
+
+    def astream(self, perf: Perf = LATENCY, *, ttft_ms: float | None = None, tpot_ms: float | None = None,
+                deadline_s: float | None = None) -> AsyncIterator[str]:
+        """``async for`` version of :meth:`stream` (the session's async HTTP client); ``async for piece in var``
+        is ``var.astream()`` with LATENCY."""
+        criteria, targets = _fetch_params(perf, ttft_ms, tpot_ms, deadline_s)
+        return self._astream(criteria, targets)
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self.astream()
+
+    async def _astream(self, criteria: str, targets: dict[str, float]) -> AsyncIterator[str]:
+        if self._value is None and self._error is None and self._native is not None:
+            await asyncio.wait([asyncio.wrap_future(self._native)])
+        known = self._known_outcome()
+        if known is not None:
+            if known:
+                yield known
+            return
+        pending = [asyncio.wrap_future(f) for f in self._native_ancestors()]
+        if pending:
+            await asyncio.wait(pending)
+        self._check_native_ancestors()
+        var_id = self._var_id or await asyncio.to_thread(self._bind, self._session)
+        try:
+            async for event in self._session.astream_variable(var_id, {"criteria": criteria, **targets}):
+                piece = self._take(event)
+                if piece is not None:
+                    yield piece
+        except StepFailed as e:
+            self._error = e
+            raise
+
+    def _take(self, event: dict) -> str | None:
+        """One stream event: a piece's text, or None (``done``: its value is kept for ``get``; a keepalive)."""
+        if event["type"] == "piece":
+            return event["text"]
+        if event["type"] == "done":
+            self._value = event["value"]
+        return None
+
+    def _known_outcome(self) -> str | None:
+        """The value if this client already has it (user-set, fetched, a finished native function); raises a
+        known failure; None when the server must be asked."""
+        if self._value is not None:
+            return self._value
+        if self._error is not None:
+            raise self._error
+        if self._native is not None and self._native.done():
+            return self._native.result()  # raises the native function's own exception
+        return None
+
+    def _native_ancestors(self) -> list["concurrent.futures.Future[str]"]:
+        return [v._native for v in self._ancestors() if v._native is not None]
+
+    def _check_native_ancestors(self) -> None:
+        """Raise (and keep) a StepFailed if a native function upstream failed (its outputs never reach the server)."""
+        for v in self._ancestors():
+            if v._native is not None and v._native.done() and (v._native.cancelled()
+                                                               or v._native.exception() is not None):
+                self._error = StepFailed(f"{self!r} depends on {v!r}, whose {v._producer} failed: "
+                                         f"{v._native.exception() if not v._native.cancelled() else 'cancelled'!r}",
+                                         cause_code="native_function_failed")
+                raise self._error
 
     def _poll_chunk(self) -> float:
         """Long-poll length; short while a native ancestor is pending. Raises if a native ancestor failed."""

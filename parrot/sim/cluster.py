@@ -95,6 +95,8 @@ class SimCluster:
                                        clock=self.clock)
         # the manager hands its clock to every component (sessions, DAGs, queue order, deduction, sharing)
         self.manager = Manager(self.registry, policy=policy, config=mconf, clock=self.clock)
+        # nobody reads variables' streams in the simulator, and per-token stream events would cost wall time only
+        self.manager.executor.stream_outputs = False
         self.completions = CompletionService(self.manager.dispatcher)
         self._rng = random.Random(f"rtt:{config.seed}")
         self.model_name = self.engines[0].model_name
