@@ -9,6 +9,7 @@ instance that holds it::
       secret wrong / missing                      -> 401  (nothing changes)
       name held by a builtin (in-process) engine  -> 409
       name held by a live engine, other instance  -> 409  (a newcomer never takes over a live engine)
+      url outside --engine-networks               -> 400  (the manager calls only where engines may live)
       url does not answer its health check        -> 400  (nothing changes: a live engine is never evicted)
       otherwise                                   -> the engine is (re)registered under the name
 
@@ -17,8 +18,10 @@ Same instance again (the manager forgot it, or restarted) or a dead holder (cras
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
+import socket
 from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Request
@@ -37,26 +40,28 @@ from parrot.engine.http_client import HTTPEngineClient
 from parrot.manager.manager import Manager
 
 router = APIRouter(prefix="/api/v1/engines", tags=["engines"])
+_RESOLVE_TIMEOUT_S = 5.0  # a registering engine's host name
 SECRET_HEADER = wire.ENGINE_SECRET_HEADER
 
 
 class RegisterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
-    url: str = Field(pattern=r"^http://(127\.\d+\.\d+\.\d+|localhost|\[::1\])(:\d+)?/?$")
+    # scheme, host (name, IPv4 or [IPv6]) and port only: no user info, path, query or fragment
+    url: str = Field(max_length=300,
+                     pattern=r"^https?://[A-Za-z0-9.\-]+(:\d+)?/?$|^https?://\[[0-9A-Fa-f:.]+\](:\d+)?/?$")
     instance: str = Field(min_length=8, max_length=128, description="random per engine process (parrot engine)")
 
     @field_validator("url")
     @classmethod
     def _parsable(cls, url: str) -> str:
-        """The pattern admits loopback-looking text; this admits only what parses: a loopback address (or
-        localhost) and a port in 1..65535."""
+        """The pattern admits URL-looking text; this admits only what parses, with a port in 1..65535 (whether
+        the host is in the server's ``engine_networks`` is checked by the route)."""
         try:
             parts = urlsplit(url)
             port = parts.port  # ValueError for a port outside 0..65535
-            host = parts.hostname or ""
-            if host != "localhost" and not ipaddress.ip_address(host).is_loopback:
-                raise ValueError(f"{host} is not a loopback address")
+            if not parts.hostname:
+                raise ValueError("no host")
         except ValueError as e:
             raise ValueError(f"bad engine url {url!r}: {e}") from None
         if port == 0:
@@ -97,7 +102,8 @@ async def register(req: RegisterRequest, request: Request) -> dict:
             raise EngineNameTaken(f"engine name {req.name!r} belongs to an engine inside the server", param="name")
         if old.healthy:
             raise EngineNameTaken(f"engine name {req.name!r} is held by another live engine", param="name")
-    client = HTTPEngineClient(req.url, req.name)
+    await _check_network(req.url, request.app.state.settings)
+    client = HTTPEngineClient(req.url, req.name, policy=request.app.state.settings.engine_call_policy())
     try:
         await client.model_info()  # the health check comes before anything changes
     except EngineUnavailable as e:
@@ -110,6 +116,34 @@ async def register(req: RegisterRequest, request: Request) -> dict:
         await old.client.close()
     await registry.probe(entry)
     return {"name": entry.name, "healthy": entry.healthy}
+
+
+async def _check_network(url: str, settings) -> None:
+    """400 (param ``url``) unless every address the URL's host resolves to is in ``engine_networks``: the manager
+    calls only where its operator said engines live."""
+    networks = settings.parse_networks(settings.engine_networks)
+    if networks is None:
+        return
+    host = urlsplit(url).hostname or ""
+    try:
+        addrs = {ipaddress.ip_address(host)}
+    except ValueError:
+        addrs = set()
+    if not addrs and host == "localhost":
+        addrs = {ipaddress.ip_address("127.0.0.1")}
+    elif not addrs and all(n.is_loopback for n in networks):
+        pass  # loopback networks only: a name other than localhost is outside them (no DNS lookup)
+    elif not addrs:
+        try:
+            infos = await asyncio.wait_for(
+                asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM), _RESOLVE_TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError) as e:
+            raise InvalidRequestError(f"engine url host {host!r} does not resolve: {e!r}", param="url") from None
+        addrs = {ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos}
+    outside = sorted(str(a) for a in addrs if not any(a in n for n in networks))
+    if outside or not addrs:
+        raise InvalidRequestError(f"engine url {url!r}: {', '.join(outside) or host} is outside the server's engine "
+                                  f"networks ({settings.engine_networks}; --engine-networks)", param="url")
 
 
 @router.post("/{name}/heartbeat")
@@ -133,5 +167,6 @@ async def heartbeat(name: str, req: HeartbeatRequest, request: Request) -> dict:
 async def list_engines(request: Request) -> dict:
     return {"engines": [
         {"name": e.name, "healthy": e.healthy, "model": e.info.name if e.info else None,
-         "status": wire.to_json(e.status) if e.status else None, "last_error": e.last_error}
+         "status": wire.to_json(e.status) if e.status else None, "last_error": e.last_error,
+         "retries": getattr(e.client, "num_retries", None)}  # calls repeated after network failures (HTTP engines)
         for e in _manager(request).registry.entries()]}

@@ -56,6 +56,8 @@ __all__ = ["DispatchRequest", "Dispatcher", "EngineLoad", "LeastLoadedPolicy", "
 CAP_PUSH_TIMEOUT_S = 5.0
 
 InfoLookup = Callable[[str, str], SchedInfo]  # (session id, request id) -> labels, depth, app order
+# (policy name, the placed request, its engine, the round's view before its placements): metrics
+PlacedHook = Callable[[str, QueuedRequest, str, ClusterView], None]
 
 
 class Lease:
@@ -125,11 +127,13 @@ class _Ticket:
 class Dispatcher:
     def __init__(self, registry: EngineRegistry, policy: Policy | None = None, *,
                  prefix_lookup: PrefixLookup | None = None, info_lookup: InfoLookup | None = None,
+                 on_placed: PlacedHook | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self.registry = registry
         self.policy = policy or LeastLoadedPolicy()
         self.prefix_lookup = prefix_lookup
         self.info_lookup = info_lookup
+        self._on_placed = on_placed
         self._clock = clock
         self._ids = itertools.count(1)
         self._queue: list[_Ticket] = []
@@ -144,7 +148,7 @@ class Dispatcher:
         self._timer: asyncio.TimerHandle | None = None  # a round the policy asked for (Policy.next_round_at)
         self._timer_at: float | None = None
         # the last step-cost fit and the statuses it came from (see _step_costs)
-        self._costs_cache: tuple[tuple, dict[str, StepCost]] | None = None
+        self._costs_cache: tuple[tuple, dict[tuple[str, str], StepCost]] | None = None
         registry.add_listener(self._on_engine_state)
 
     # ---- the request side -----------------------------------------------------------------------------------
@@ -271,6 +275,8 @@ class Dispatcher:
             lease = Lease(self, entry, t.request, t.enqueued_at)
             self._leases.setdefault(entry.name, []).append(lease)
             t.future.set_result(lease)
+            if self._on_placed is not None:
+                self._on_placed(self.policy.name, q, entry.name, cluster)
             view = cluster.engines.get(entry.name)
             if view is not None:
                 new.setdefault(entry.name, []).append(self._placed(lease, q.info, cluster, view.step_cost))
@@ -317,12 +323,13 @@ class Dispatcher:
             assert e.info is not None
             if only is not None and e.name not in only:
                 continue
-            cost = costs.get(e.info.name)
+            cost = costs.get(_cost_pool(e))
             cluster.engines[e.name] = self._view(e, tuple(self._placed(lease, info, cluster, cost)
                                                           for lease, info in held[e.name]), costs)
         return cluster
 
-    def _view(self, e: EngineEntry, placed: tuple[PlacedRequest, ...], costs: dict[str, StepCost]) -> EngineView:
+    def _view(self, e: EngineEntry, placed: tuple[PlacedRequest, ...],
+              costs: dict[tuple[str, str], StepCost]) -> EngineView:
         """The engine as the policy sees it: count-once credit for shared prefixes only where the engine
         advertises shared-prefix attention (EngineCapabilities; nothing advertised = none)."""
         assert e.info is not None
@@ -331,23 +338,24 @@ class Dispatcher:
         caps = EngineCapabilities.from_status(s)
         return EngineView(e.name, e.info.name, e.info.max_model_len, s, capacity, placed,
                           shared_prefix_attention=caps is not None and caps.shared_prefix_attention,
-                          step_cost=costs.get(e.info.name))
+                          step_cost=costs.get(_cost_pool(e)))
 
-    def _step_costs(self, entries: Sequence[EngineEntry]) -> dict[str, StepCost]:
-        """Per model, the iteration-time fit of the step statistics its engines last reported, pooled (engines of
-        one model are assumed alike; a model none of whose engines reported enough steps is left out). Refitted
-        only when a status changed (a heartbeat), not every round."""
+    def _step_costs(self, entries: Sequence[EngineEntry]) -> dict[tuple[str, str], StepCost]:
+        """Per (model, engine kind) (:func:`_cost_pool`), the iteration-time fit of the step statistics its
+        engines last reported, pooled (engines of one model and kind are assumed alike; a pool none of whose
+        engines reported enough steps is left out). Refitted only when a status changed (a heartbeat), not every
+        round."""
         key = tuple((e.name, e.status) for e in entries)
         if self._costs_cache is not None and len(key) == len(self._costs_cache[0]) \
                 and all(a[0] == b[0] and a[1] is b[1] for a, b in zip(key, self._costs_cache[0])):
             return self._costs_cache[1]
-        by_model: dict[str, list[StepStats]] = {}
+        by_model: dict[tuple[str, str], list[StepStats]] = {}
         for e in entries:
             raw = e.status.extra.get("step_stats") if e.status is not None else None
             if raw is None or e.info is None:
                 continue
             try:
-                by_model.setdefault(e.info.name, []).append(StepStats.from_wire(raw))
+                by_model.setdefault(_cost_pool(e), []).append(StepStats.from_wire(raw))
             except ValueError as err:
                 logger.debug("engine %s: ignoring its step statistics (%s)", e.name, err)
         out = {}
@@ -425,3 +433,13 @@ class Dispatcher:
             name: {"requests": len(v.placed), "tokens": cluster.engine_tokens(name), "cap": v.cap,
                    "cap_sent": self._caps_sent.get(name), "kinds": sorted({p.demand.kind.value for p in v.placed})}
             for name, v in cluster.engines.items()}}
+
+
+def _cost_pool(e: EngineEntry) -> tuple[str, str]:
+    """Whose step statistics are pooled: engines of one model and one kind (the builtin engine, or an external
+    server's kind, ``extra["backend"]["kind"]``): a llama.cpp server and a builtin engine on the same GGUF run
+    on different code, so they are not assumed alike."""
+    assert e.info is not None
+    backend = e.status.extra.get("backend") if e.status is not None else None
+    kind = backend.get("kind") if isinstance(backend, dict) else None
+    return e.info.name, str(kind or "builtin")

@@ -8,7 +8,7 @@ Each engine is a small state machine, changed only here::
 
 * A call that cannot reach the engine (``EngineUnavailable``, from a heartbeat probe or from the request
   path via :meth:`EngineRegistry.mark_dead`) kills it at once; other heartbeat failures (errors, a probe that
-  hangs) kill it once no heartbeat succeeded for ``timeout_s``.
+  hangs or times out: ``EngineTimeout``) kill it once no heartbeat succeeded for ``timeout_s``.
 * A DEAD engine keeps being probed; the first success (a pull probe or a pushed heartbeat) revives it.
 * ``register`` (an engine process announcing itself, e.g. after a restart) replaces the old entry: the old
   one dies (its contexts are gone with the process) and the new one starts PENDING.
@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from parrot.common.errors import EngineUnavailable, ParrotError, UnknownModel
+from parrot.common.errors import EngineTimeout, EngineUnavailable, ParrotError, UnknownModel
 from parrot.engine.interface import EngineClient, EngineStatus, ModelInfo
 
 logger = logging.getLogger(__name__)
@@ -146,6 +146,11 @@ class EngineRegistry:
             if entry.info is None:
                 entry.info = await entry.client.model_info()
             entry.status = await entry.client.status()
+        except EngineTimeout as e:  # accepted the call, did not answer: dead only after timeout_s of silence
+            if entry.last_error is None:
+                logger.warning("engine %s did not answer its heartbeat: %s", entry.name, e)
+            entry.last_error = str(e)
+            return
         except EngineUnavailable as e:
             entry.last_error = str(e)
             if entry.state is not EngineState.PENDING:
@@ -159,13 +164,16 @@ class EngineRegistry:
         entry.last_heartbeat = self._clock()
         self._set_state(entry, EngineState.ALIVE)
 
-    async def refresh(self, timeout_s: float | None = None) -> None:
-        """Probe every engine (each probe bounded by ``timeout_s``), then kill those silent for ``timeout_s``."""
+    async def refresh(self, timeout_s: float | None = None, *, probe_timeout_s: float | None = None) -> None:
+        """Probe every engine (each probe bounded by ``probe_timeout_s``, default ``timeout_s``), then kill those
+        silent for ``timeout_s``."""
+        bound = probe_timeout_s if probe_timeout_s is not None else timeout_s
+
         async def one(entry: EngineEntry) -> None:
             try:
-                await asyncio.wait_for(self.probe(entry), timeout_s)
+                await asyncio.wait_for(self.probe(entry), bound)
             except asyncio.TimeoutError:
-                entry.last_error = f"heartbeat timed out after {timeout_s} s"
+                entry.last_error = f"heartbeat timed out after {bound} s"
 
         await asyncio.gather(*(one(e) for e in list(self._entries.values())))
         if timeout_s is not None:
@@ -182,10 +190,12 @@ class EngineRegistry:
         return dead
 
     async def heartbeat_loop(self, interval_s: float, timeout_s: float | None = None) -> None:
-        """Refresh every ``interval_s`` until cancelled (the manager owns and cancels this task)."""
+        """Refresh every ``interval_s`` until cancelled (the manager owns and cancels this task). A probe waits
+        at most max(interval_s, 1 s), so a hung engine is declared dead within about
+        ``timeout_s + 2 * interval_s + 1`` s of its last answer."""
         while True:
             await asyncio.sleep(interval_s)
-            await self.refresh(timeout_s)
+            await self.refresh(timeout_s, probe_timeout_s=max(interval_s, 1.0))
 
     # ---- queries ----------------------------------------------------------------------------------------------
     def entries(self) -> list[EngineEntry]:
