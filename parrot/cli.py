@@ -61,17 +61,22 @@ def _settings_from(cls: type[BaseSettings], ns: argparse.Namespace, skip: set[st
 
 
 def _cmd_engine(ns: argparse.Namespace) -> None:
-    import uvicorn
-
+    from parrot.drain import serve
     from parrot.engine.builder import build_local_engine_client
     from parrot.engine.server import EngineServerSettings, create_engine_app
     from parrot.engine.settings import EngineSettings
 
     server = _settings_from(EngineServerSettings, ns)
+    if server.manager_url:
+        try:
+            server.advertised_url()  # an engine bound to 0.0.0.0 must say where the manager reaches it
+        except ValueError as e:
+            raise SystemExit(f"parrot: {e}") from None
     engine = _settings_from(EngineSettings, ns, skip={"name"} if ns.name is None else set())
     client = build_local_engine_client(engine)
     app = create_engine_app(client, server)
-    uvicorn.run(app, host=server.host, port=server.port, log_level="warning")
+    serve(app, host=server.host, port=server.port, drain=app.state.drain, log_level="warning",
+          timeout_keep_alive=KEEP_ALIVE_S)
 
 
 def _engine_flags(ns: argparse.Namespace, skip: set[str]) -> list[str]:
@@ -91,42 +96,63 @@ def _engine_flags(ns: argparse.Namespace, skip: set[str]) -> list[str]:
     return out
 
 
-def _cmd_serve(ns: argparse.Namespace) -> None:
-    import uvicorn
+def _backend_engines(specs: list[str]) -> list:
+    """``--backend [kind=]URL`` values as engine clients (kinds detected now); a bad spec or an unreachable
+    server to detect ends the start with the reason."""
+    if not specs:
+        return []
+    from parrot.backends import BackendSettings, resolve_backends
+    from parrot.common.errors import ParrotError
 
+    try:
+        return resolve_backends(specs, BackendSettings())
+    except ParrotError as e:
+        raise SystemExit(f"parrot: --backend: {e}") from None
+
+
+def _cmd_serve(ns: argparse.Namespace) -> None:
     from parrot.api.app import create_app
     from parrot.api.settings import ServerSettings
+    from parrot.drain import serve
     from parrot.engine.settings import EngineSettings
 
     server = _settings_from(ServerSettings, ns)
     engine = _settings_from(EngineSettings, ns, skip={"name", "port", "host"})
-    if server.engines == 0:
+    if server.state_dir is not None:  # a state dir that cannot be used fails here, before any model loads
+        from parrot.manager.journal import open_journal
+
+        open_journal(server.state_dir).close()
+    backends = _backend_engines(server.backends)
+    if server.engines == 0 and not backends and server.local_engine:  # no --engines / --backend / --no-local-engine
         from parrot.engine.builder import build_local_engine_client
 
         client = build_local_engine_client(engine)
         app = create_app(server, [client])
         print(f"parrot: serving {client.name} on http://{server.host}:{server.port} (policy {server.policy}; "
               "OpenAPI at /docs)", flush=True)
-        uvicorn.run(app, host=server.host, port=server.port, log_level="warning",
-                    timeout_graceful_shutdown=server.shutdown_grace_s, timeout_keep_alive=KEEP_ALIVE_S)
+        serve(app, host=server.host, port=server.port, drain=app.state.drain, log_level="warning",
+              timeout_keep_alive=KEEP_ALIVE_S)
         return
 
     from parrot.engine.procs import free_port, start_engines, stop_all
 
-    # engines register through /api/v1/engines/register, which accepts loopback URLs only
+    # the children register from 127.0.0.1 (inside the default --engine-networks)
     port = server.port or free_port(server.host)
     manager_url = f"http://127.0.0.1:{port}"
+    if server.engine_secret is None and server.engines == 0 and not server.local_engine and not backends:
+        raise SystemExit("parrot: --no-local-engine serves engines that register: give it --engine-secret "
+                         "(PARROT_ENGINE_SECRET), the same as the engines' PARROT_ENGINE_SERVER_MANAGER_SECRET")
     if server.engine_secret is None:  # our own children only: a fresh secret, handed over in their environment
         server = server.model_copy(update={"engine_secret": SecretStr(secrets.token_urlsafe(32))})
     procs = start_engines(server.engines, manager_url, secret=server.engine_secret.get_secret_value(),
                           engine_args=_engine_flags(ns, {"name", "port", "host"}))
     try:
-        app = create_app(server, [])
+        app = create_app(server, backends)
         print(f"parrot: serving on http://{server.host}:{port} with {server.engines} engine process(es) "
-              f"{', '.join(f'{p.name}={p.url} (pid {p.pid})' for p in procs)}; policy {server.policy}",
-              flush=True)
-        uvicorn.run(app, host=server.host, port=port, log_level="warning",
-                    timeout_graceful_shutdown=server.shutdown_grace_s, timeout_keep_alive=KEEP_ALIVE_S)
+              f"{', '.join(f'{p.name}={p.url} (pid {p.pid})' for p in procs)}"
+              f"{''.join(f'; backend {b.name}={b.url}' for b in backends)}; policy {server.policy}", flush=True)
+        serve(app, host=server.host, port=port, drain=app.state.drain, log_level="warning",
+              timeout_keep_alive=KEEP_ALIVE_S)
     finally:
         stop_all(procs)
 
@@ -135,6 +161,8 @@ def _cmd_run(ns: argparse.Namespace) -> None:
     if ns.url:
         os.environ["PARROT_URL"] = ns.url
     sys.argv = [ns.script, *ns.args]
+    # as `python script.py` does: the script's directory first on the path (examples import their siblings)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(ns.script)))
     runpy.run_path(ns.script, run_name="__main__")
 
 
@@ -157,11 +185,16 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="parrot", description="Parrot: an LLM service for applications")
     parser.add_argument("--log-level", default=os.environ.get("PARROT_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-format", choices=["text", "json"], default=os.environ.get("PARROT_LOG_FORMAT", "text"),
+                        help="log lines as text or one JSON object each; both carry request and session ids")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("serve", help="manager + API + builtin engine(s) on the default model (--engines N for N "
                        "engine processes)")
-    _add_settings_flags(p, ServerSettings)
+    p.add_argument("--backend", dest="backends", action="append", default=None, metavar="[KIND=]URL",
+                   help="an external OpenAI-compatible server as an engine (repeatable; KIND openai, vllm, sglang or "
+                   "llamacpp, detected when not given); without --engines, no builtin engine starts")
+    _add_settings_flags(p, ServerSettings, skip={"backends"})
     _add_settings_flags(p, EngineSettings, skip={"name"})
     p.set_defaults(fn=_cmd_serve, name=None)
 
@@ -184,14 +217,17 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(fn=_cmd_profile)
 
     ns = parser.parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from parrot.common.log_context import configure_logging
+
+    configure_logging(ns.log_level, ns.log_format)  # request / session ids on every record (parrot.common.log_context)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per engine call/heartbeat otherwise
     from parrot.common.errors import ModelNotFound
     from parrot.engine.numerics import PathUnavailable
+    from parrot.manager.journal import JournalError
 
     try:
         ns.fn(ns)
-    except (ModelNotFound, PathUnavailable) as e:  # a start that cannot work: say why, no traceback
+    except (ModelNotFound, PathUnavailable, JournalError) as e:  # a start that cannot work: say why, no traceback
         raise SystemExit(f"parrot: {e}") from None
 
 

@@ -27,6 +27,8 @@ API app or the manager.
 
 from __future__ import annotations
 
+import math
+
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -63,7 +65,9 @@ async def parrot_error_handler(request: Request, exc: Exception) -> JSONResponse
     if exc.status_code >= 500:
         logger.warning("%s %s -> %d %s: %s", request.method, request.url.path, exc.status_code, exc.code,
                        exc.message)
-    return JSONResponse(exc.to_body(), status_code=exc.status_code)
+    retry = getattr(exc, "retry_after_s", None)
+    headers = {"Retry-After": str(max(1, math.ceil(retry)))} if retry is not None else None
+    return JSONResponse(exc.to_body(), status_code=exc.status_code, headers=headers)
 
 
 def _loc_name(loc: tuple) -> str:

@@ -195,3 +195,36 @@ def test_random_fills_forks_generates_and_frees_keep_the_kv_invariants(seed):
     for name in names:
         eng.free_context(name)
     assert eng.pool.num_used == 0
+
+
+def test_a_generate_queues_by_the_arrival_of_the_fill_it_follows():
+    """Fair service: a request's decode is not served after every fill that arrived during its own prefill. The
+    generate that follows a fill on the same context (or on a fork made of it) ranks by that fill's arrival, so
+    the first request finishes while later prompts are still being prefilled; a generate with no fill before
+    it ranks by its own arrival."""
+    eng = SyncEngine(WORDS.encode("p q r s"))
+    prompt = list(range(100, 160))  # 60 tokens: one request's prefill fills a 64-token step
+    eng.fill(prompt, "a")
+    eng.now = 0.5
+    later = [eng.fill([t + i for t in prompt], f"b{i}") for i in range(5)]  # arrive while a is being prefilled
+    eng.now += 1.0
+    eng.step()
+    assert eng.contexts["a"].num_computed == 60 and not any(f.done() for f in later)
+    gen = eng.generate(SamplingParams(max_tokens=2, ignore_eos=True), "a")
+    assert gen.done() is False
+    # forked from a filled context, the child's generate ranks with the parent's turn too
+    fork_gen = eng.generate(SamplingParams(max_tokens=2, ignore_eos=True), "a2", "a")
+    while not gen.done():
+        eng.now += 1.0
+        eng.step()
+    assert sum(f.done() for f in later) <= 2, "the generate waited for the fills that arrived after its own"
+    eng.run()
+    assert fork_gen.result(timeout=0).token_ids and all(f.result(timeout=0).num_filled == 60 for f in later)
+    # after the generate, a's turn is over: another generate on it ranks by its own arrival, behind waiting fills
+    late = [eng.fill([t + 7 for t in prompt], f"c{i}") for i in range(2)]
+    eng.now += 1.0
+    gen2 = eng.generate(SamplingParams(max_tokens=1, ignore_eos=True), "a")
+    while not gen2.done():
+        eng.now += 1.0
+        eng.step()
+    assert all(f.done() for f in late)

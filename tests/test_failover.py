@@ -26,12 +26,14 @@ class FlakyEngine(UnreachableEngine):
         self.die_on_generate = die_on_generate
         self.generates = 0
 
-    async def generate(self, sampling, context_id, parent_context_id=None):
+    async def generate_stream(self, sampling, context_id, parent_context_id=None):
+        # every generation passes here: the executor's streamed outputs, and FakeEngine.generate
         self._check()
         self.generates += 1
         if self.generates == self.die_on_generate:
             self.down = True
-        return await super().generate(sampling, context_id, parent_context_id)
+        async for chunk in super().generate_stream(sampling, context_id, parent_context_id):
+            yield chunk
 
 
 class FakeClock:

@@ -653,7 +653,7 @@ def test_dropped_connections_retry_reads_but_never_repeat_a_submit(fake, monkeyp
     may be: _retryable)."""
     import parrot.frontend.client as client_mod
 
-    monkeypatch.setattr(client_mod, "RETRY_BACKOFF_S", 0.0)
+    monkeypatch.setattr(client_mod, "RETRY_BACKOFF_S", 0.01)
     drops: dict[str, int] = {}
     seen: list[str] = []
 
@@ -665,7 +665,7 @@ def test_dropped_connections_retry_reads_but_never_repeat_a_submit(fake, monkeyp
             raise httpx.ReadError("", request=request)  # the connection dropped after the request was sent
         return fake.handler(request)
 
-    s = Session("http://fake", transport=httpx.MockTransport(flaky))
+    s = Session("http://fake", transport=httpx.MockTransport(flaky), retry_window_s=0.5)
     try:
         v = s.create_variable("x", "hello")
         drops[f"GET {v}"] = 2  # two drops, then the answer
@@ -677,9 +677,11 @@ def test_dropped_connections_retry_reads_but_never_repeat_a_submit(fake, monkeyp
         posts = seen.count("POST")
         assert s.create_variable("y2", "z")  # later calls work; the failed one was sent once
         assert seen.count("POST") == posts + 1
-        drops[f"GET {v}"] = client_mod.RETRIES + 1  # more drops than retries: reported
-        with pytest.raises(client_mod.ServerUnreachable):
+        drops[f"GET {v}"] = 10**9  # dropped for longer than the retry window: reported when the window ends
+        t0 = time.monotonic()
+        with pytest.raises(client_mod.ServerUnreachable, match="retries"):
             s.poll_variable(v, None, 0.0)
+        assert 0.5 <= time.monotonic() - t0 < 5
     finally:
         s.close()
     assert client_mod._retryable("POST", httpx.ConnectError("x")) and not client_mod._retryable(

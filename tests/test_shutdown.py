@@ -1,9 +1,11 @@
-"""Graceful shutdown (issue 19, item 5): `parrot serve` (a real process) on SIGTERM stops accepting, lets requests in
-flight run for at most ``--shutdown-grace-s``, then cancels the rest and exits — a client holding a 60 s long poll
-and a backlog of submitted work do not keep it alive."""
+"""Graceful shutdown (issue 19, item 5): `parrot serve` (a real process) on SIGTERM drains (new work 503
+``server_draining``, /ready 503, /health 200), lets requests in flight run for at most ``--shutdown-grace-s``, then
+cancels the rest and exits — a client holding a 60 s long poll, a backlog of submitted work, and hundreds of
+completions whose clients went away do not keep it alive; `parrot engine` drains and exits in bounded time too."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -65,8 +67,93 @@ def test_sigterm_exits_within_the_grace_period_despite_long_polls_and_a_backlog(
         log.close()
 
 
+def test_engine_sigterm_drains_and_exits_in_bounded_time(tmp_path, default_model_path):
+    """`parrot engine` on SIGTERM: new fills get 503 server_draining, a generation in flight finishes, and it
+    exits within its grace even when that generation would run longer."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "engine.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "parrot.cli", "engine", "--name", "d0", "--port", str(port),
+                             "--shutdown-grace-s", "2", *TINY_ENGINE], stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _ok(f"{url}/health"), 120, "the engine")
+        with httpx.Client(base_url=url, timeout=60) as c:
+            c.post("/engine/v1/fill", json={"token_ids": [5, 6, 7], "context_id": "long"}).raise_for_status()
+            done: list[int] = []
+            t = threading.Thread(target=lambda: done.append(c.post("/engine/v1/generate", json={
+                "context_id": "long", "sampling": {"max_tokens": 4000, "ignore_eos": True}}).status_code))
+            t.start()
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            with httpx.Client(base_url=url, timeout=10) as c2:
+                r = c2.post("/engine/v1/fill", json={"token_ids": [1], "context_id": "new"})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "server_draining", r.text
+            assert r.headers["retry-after"]
+            proc.wait(15)
+            took = time.monotonic() - t0
+            t.join(15)
+        assert took < 2 + 3, took  # the grace, then the generation is cut
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+
+
 def _ok(url: str) -> bool:
     try:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_sigterm_drains_refuses_new_work_and_cancels_a_backlog_whose_clients_are_gone(tmp_path):
+    """Hundreds of completions queued by clients that then went away, plus two whose clients wait: on SIGTERM the
+    server answers new work with 503 ``server_draining`` (Retry-After), /ready with 503 and /health with 200 while
+    it drains, cancels the abandoned backlog at once, lets the short waiting completion finish (200), cuts the long
+    one at the grace, and exits within grace + 5 s by its own drain (not the SIGALRM backstop)."""
+    from parrot.bench.load_bench import start_server
+    from parrot.bench.shutdown_bench import send_abandoned_backlog
+
+    grace, backlog = 4.0, 300
+    proc, url = start_server(["--shutdown-grace-s", str(grace), *TINY_ENGINE], str(tmp_path / "serve.log"))
+    answers: dict[str, object] = {}
+
+    def wait_for(tag: str, max_tokens: int) -> None:
+        try:
+            answers[tag] = httpx.post(f"{url}/v1/completions", timeout=60, json={
+                "model": model, "prompt": tag, "max_tokens": max_tokens, "ignore_eos": True}).status_code
+        except httpx.HTTPError as e:
+            answers[tag] = type(e).__name__
+
+    try:
+        model = send_abandoned_backlog(url, backlog, settle_s=1.0)
+        waiting = [threading.Thread(target=wait_for, args=(tag, n)) for tag, n in (("short", 4), ("long", 4000))]
+        for t in waiting:
+            t.start()
+        time.sleep(0.5)  # both in flight
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        # while it drains (the long completion keeps it draining): new work refused with a typed 503, probes answer
+        draining = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "late", "max_tokens": 1},
+                              timeout=10)
+        ready, health = httpx.get(f"{url}/ready", timeout=10), httpx.get(f"{url}/health", timeout=10)
+        proc.wait(timeout=grace + 20)
+        took = time.monotonic() - t0
+        for t in waiting:
+            t.join(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert draining.status_code == 503, draining.text
+    assert draining.json()["error"]["code"] == "server_draining" and int(draining.headers["retry-after"]) >= 1
+    assert ready.status_code == 503 and ready.json()["draining"] is True and health.status_code == 200
+    assert answers["short"] == 200 and answers["long"] != 200, answers  # in flight: finished / cut at the grace
+    assert grace - 0.5 < took < grace + 5, f"exit took {took:.1f} s with a backlog of {backlog}"
+    assert proc.returncode == -signal.SIGTERM  # the drain's own exit, not the SIGALRM backstop at grace + 5 s
+    logging.getLogger(__name__).info("exit after SIGTERM with %d abandoned completions: %.2f s", backlog, took)

@@ -15,11 +15,14 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from parrot.api import engine_routes, openai_routes, parrot_routes, tokenize_routes
+from parrot.api import engine_routes, openai_routes, parrot_routes, tokenize_routes, ui_routes
+from parrot.api import metrics_routes
+from parrot.api.limits import InFlight
 from parrot.api.middleware import BodyLimitMiddleware, TenantMiddleware
 from parrot.api.tenants import RateLimiter, TenantKeys
 from parrot.api.schemas import HealthResponse
 from parrot.api.settings import ServerSettings
+from parrot.drain import Drain, DrainMiddleware
 from parrot.engine.interface import EngineClient
 from parrot.http_edge import install_error_handlers
 from parrot.manager.completions import CompletionService
@@ -41,8 +44,10 @@ def create_app(settings: ServerSettings | None = None, engines: Sequence[EngineC
         manager = Manager(EngineRegistry(engine_list), policy=policy, config=settings.manager_config(), clock=clock)
         await manager.start()
         app.state.manager = manager
+        app.state.in_flight = InFlight(manager)  # per-tenant calls in flight (parrot.api.limits)
         app.state.completions = CompletionService(manager.dispatcher, max_n=settings.max_n,
-                                                   max_attempts=settings.max_attempts)
+                                                   max_attempts=settings.max_attempts, recent=manager.recent,
+                                                   metrics=manager.metrics)
         app.state.responses = ResponsesService(app.state.completions, ResponseStore(
             ttl_s=settings.responses_ttl_s, max_entries=settings.max_stored_responses, clock=manager.clock))
         app.state.started_at = time.time()
@@ -60,6 +65,8 @@ def create_app(settings: ServerSettings | None = None, engines: Sequence[EngineC
     app.include_router(openai_routes.router)
     app.include_router(engine_routes.router)
     app.include_router(tokenize_routes.router)
+    app.include_router(metrics_routes.router)  # GET /metrics (Prometheus)
+    app.include_router(ui_routes.router)  # the live web view (/ui)
 
     @app.get("/health", response_model=HealthResponse, tags=["ops"])
     async def health(request: Request) -> HealthResponse:
@@ -70,12 +77,25 @@ def create_app(settings: ServerSettings | None = None, engines: Sequence[EngineC
 
     @app.get("/ready", tags=["ops"])
     async def ready(request: Request) -> JSONResponse:
-        """200 when at least one engine is registered and healthy (work can run), else 503: a readiness probe."""
+        """200 when at least one engine is registered and healthy (work can run), else 503: a readiness probe.
+        503 with ``"draining": true`` once SIGTERM started the drain (parrot.drain)."""
         live = [e.name for e in request.app.state.manager.registry.entries() if e.healthy]
-        return JSONResponse({"ready": bool(live), "engines": live}, status_code=200 if live else 503)
+        draining = request.app.state.drain.draining
+        ok = bool(live) and not draining
+        body = {"ready": ok, "engines": live, **({"draining": True} if draining else {})}
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     # the last middleware added is the outermost: the tenant (key, rate) first, then the body limit
     keys = TenantKeys(api_key=settings.api_key, keys_file=settings.api_keys_file, reload_s=settings.api_keys_reload_s)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    app.add_middleware(TenantMiddleware, keys=keys, limiter=RateLimiter())
+    app.add_middleware(TenantMiddleware, keys=keys, limiter=RateLimiter(),
+                       exempt_paths=("/health", "/ready", *ui_routes.PUBLIC_PATHS))  # /ui's page and code, no data
+    # outermost: while draining, new work is refused before anything else reads it (parrot.drain)
+    app.state.drain = Drain(grace_s=settings.shutdown_grace_s)
+    app.add_middleware(DrainMiddleware, drain=app.state.drain, is_work=_is_work)
     return app
+
+
+def _is_work(method: str, path: str) -> bool:
+    """What a draining server refuses: requests that start something, but not the engines' own calls."""
+    return method in ("POST", "PUT") and not path.startswith("/api/v1/engines/")

@@ -11,12 +11,14 @@ of the bearer the key check let through; ``anonymous`` when the server has no ke
 
 from __future__ import annotations
 
+import dataclasses
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from parrot.api import openai_shapes as shapes
 from parrot.api import responses_shapes
+from parrot.api.limits import InFlight, RequestLimits, request_limits
 from parrot.api.tenants import ANONYMOUS
 from parrot.api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, ResponsesRequest
 from parrot.http_edge import EventStreamResponse
@@ -43,22 +45,36 @@ async def list_models(request: Request) -> ModelList:
 
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    service = _service(request)
-    return await _respond(service, await service.plan_completion(shapes.completion_spec(body)), body)
+    service, limits = _service(request), request_limits(request)
+    _in_flight(request).admit(limits)
+    plan = await service.plan_completion(limits.completion_spec(shapes.completion_spec(body), "max_tokens",
+                                                                asked="max_tokens" in body.model_fields_set))
+    return await _respond(request, service, plan, body, limits)
 
 
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    service = _service(request)
-    return await _respond(service, await service.plan_chat(shapes.chat_spec(body)), body)
+    service, limits = _service(request), request_limits(request)
+    _in_flight(request).admit(limits)
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    asked = body.max_completion_tokens is not None or body.max_tokens is not None
+    plan = await service.plan_chat(limits.completion_spec(shapes.chat_spec(body), param, asked=asked))
+    return await _respond(request, service, plan, body, limits)
 
 
-async def _respond(service: CompletionService, plan: CompletionPlan,
-                   body: CompletionRequest | ChatCompletionRequest) -> Response:
+def _in_flight(request: Request) -> InFlight:
+    return request.app.state.in_flight
+
+
+async def _respond(request: Request, service: CompletionService, plan: CompletionPlan,
+                   body: CompletionRequest | ChatCompletionRequest, limits: RequestLimits) -> Response:
+    """Run a planned call, counted in flight for its tenant until its last byte (limits.InFlight)."""
+    limits.check_plan(plan)
+    in_flight = _in_flight(request)
     if body.stream:
-        return EventStreamResponse(shapes.stream_chunks(plan, service.stream(plan),
-                                                        with_usage=shapes.include_usage(body)))
-    return JSONResponse(shapes.completion_body(plan, await service.complete(plan)))
+        return EventStreamResponse(in_flight.held(limits.tenant, shapes.stream_chunks(
+            plan, service.stream(plan), with_usage=shapes.include_usage(body))))
+    return JSONResponse(shapes.completion_body(plan, await in_flight.counted(limits.tenant, service.complete(plan))))
 
 
 # ---- Responses API --------------------------------------------------------------------------------------------
@@ -73,11 +89,19 @@ def _owner(request: Request) -> str:
 
 @router.post("/responses")
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
-    service = _responses(request)
-    plan = await service.plan(responses_shapes.response_spec(body), _owner(request))
+    service, limits, in_flight = _responses(request), request_limits(request), _in_flight(request)
+    in_flight.admit(limits)
+    spec = responses_shapes.response_spec(body)
+    max_output = limits.output_tokens(spec.max_output_tokens, "max_output_tokens")
+    if max_output != spec.max_output_tokens:
+        spec = dataclasses.replace(spec, max_output_tokens=max_output)
+    plan = await service.plan(spec, _owner(request))
+    limits.check_plan(plan.completion)
     if body.stream:
-        return EventStreamResponse(responses_shapes.response_events(plan, service.stream(plan)), named=True)
-    return JSONResponse(responses_shapes.response_body(plan, await service.complete(plan)))
+        return EventStreamResponse(in_flight.held(limits.tenant, responses_shapes.response_events(
+            plan, service.stream(plan))), named=True)
+    return JSONResponse(responses_shapes.response_body(plan, await in_flight.counted(limits.tenant,
+                                                                                      service.complete(plan))))
 
 
 @router.get("/responses/{response_id}")

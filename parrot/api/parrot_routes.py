@@ -15,17 +15,23 @@ from parrot.api.schemas import (
     CreateVariableRequest,
     DagResponse,
     DeletedResponse,
+    PlaceholderModel,
     SessionResponse,
     SetVariableRequest,
     SubmitRequest,
     SubmitResponse,
     VariableResponse,
 )
+from parrot.api.limits import RequestLimits, request_limits
 from parrot.api.tenants import ANONYMOUS, Tenant
-from parrot.common.perf import LatencyTargets
+from parrot.common.errors import StepFailed
+from parrot.common.perf import LatencyTargets, PinnedTargets
+from parrot.common.sampling import SamplingParams
+from parrot.http_edge import EventStreamResponse
 from parrot.manager.manager import Manager
 from parrot.manager.session import SessionState
 from parrot.manager.submit import PlaceholderSpec, SubmitSpec
+from parrot.manager.value_stream import follow
 
 router = APIRouter(prefix="/api/v1", tags=["parrot"])
 
@@ -55,6 +61,7 @@ async def create_session(manager: ManagerDep, request: Request,
                          body: CreateSessionRequest | None = None) -> SessionResponse:
     tenant = get_tenant(request)
     session = manager.create_session(body.ttl_s if body else None, owner=tenant.name, owner_limit=tenant.max_sessions)
+    session.max_prompt_tokens = request_limits(request).max_prompt_tokens
     return SessionResponse(session_id=session.session_id, token=session.token, ttl_s=session.ttl_s)
 
 
@@ -87,22 +94,65 @@ async def get_variable(
     tpot_ms: Annotated[float | None, Query(gt=0, description="latency target: time per output token")] = None,
     deadline_s: Annotated[float | None, Query(gt=0, description="latency target: value wanted within this")] = None,
 ) -> VariableResponse:
-    targets = None
-    if ttft_ms is not None or tpot_ms is not None or deadline_s is not None:
-        targets = LatencyTargets(ttft_s=ttft_ms / 1000 if ttft_ms is not None else None,
-                                 tpot_s=tpot_ms / 1000 if tpot_ms is not None else None,
-                                 deadline_s=deadline_s).pinned(manager.clock())
+    targets = _targets(manager, ttft_ms, tpot_ms, deadline_s)
     view = await manager.get_variable(session, vid, criteria=criteria, timeout_s=timeout, targets=targets)
     return VariableResponse(var_id=view.var_id, name=view.name, status=view.status.value, value=view.value)
 
 
+def _targets(manager: Manager, ttft_ms: float | None, tpot_ms: float | None,
+             deadline_s: float | None) -> PinnedTargets | None:
+    """The latency targets of a GET's query, pinned to the GET's time (None: no target asked)."""
+    if ttft_ms is None and tpot_ms is None and deadline_s is None:
+        return None
+    return LatencyTargets(ttft_s=ttft_ms / 1000 if ttft_ms is not None else None,
+                          tpot_s=tpot_ms / 1000 if tpot_ms is not None else None,
+                          deadline_s=deadline_s).pinned(manager.clock())
+
+
+@router.get("/sessions/{sid}/variables/{vid}/stream", response_model=None,
+            responses={200: {"content": {"text/event-stream": {}},
+                             "description": "SSE: piece events, then a done event with the value (or an error "
+                                            "event with the typed body), then [DONE]"}})
+async def stream_variable(
+    vid: str, manager: ManagerDep, session: SessionDep,
+    criteria: Annotated[str | None, Query(description="latency | throughput (recorded: GetPerfObj)")] = None,
+    ttft_ms: Annotated[float | None, Query(gt=0, description="latency target: time to first token")] = None,
+    tpot_ms: Annotated[float | None, Query(gt=0, description="latency target: time per output token")] = None,
+    deadline_s: Annotated[float | None, Query(gt=0, description="latency target: value wanted within this")] = None,
+) -> EventStreamResponse:
+    """The variable's value as it is generated (docs/api.md). Counts as a GET: the criterion and targets are
+    recorded (GetPerfObj) before the stream opens; an unknown variable is a 404 before any event."""
+    try:
+        await manager.get_variable(session, vid, criteria=criteria, timeout_s=0.0,
+                                   targets=_targets(manager, ttft_ms, tpot_ms, deadline_s))
+    except StepFailed:
+        pass  # already failed: the stream's error event says so (after the pieces it had streamed)
+    return EventStreamResponse(follow(session.graph.variable(vid), on_event=lambda: manager.sessions.touch(session)))
+
+
 @router.post("/sessions/{sid}/submit", response_model=SubmitResponse)
-async def submit(manager: ManagerDep, session: SessionDep, body: SubmitRequest) -> SubmitResponse:
+async def submit(manager: ManagerDep, session: SessionDep, body: SubmitRequest, request: Request) -> SubmitResponse:
+    limits = request_limits(request)
+    request.app.state.in_flight.admit(limits)
     spec = SubmitSpec(prompt=body.prompt, models=tuple(body.models), name=body.name, placeholders=[
-        PlaceholderSpec(p.name, p.is_output, p.var_id, p.sampling, tuple(p.transforms)) for p in body.placeholders])
+        PlaceholderSpec(p.name, p.is_output, p.var_id, _limited_sampling(p, limits), tuple(p.transforms))
+        for p in body.placeholders])
     req = manager.submit(session, spec)
     outputs = {b.name: b.var_id for b in req.bindings.values() if b.is_output}
     return SubmitResponse(request_id=req.request_id, outputs=outputs)
+
+
+def _limited_sampling(p: PlaceholderModel, limits: RequestLimits) -> dict | None:
+    """An output's sampling within the tenant's max_output_tokens (its default max_tokens when it asks none)."""
+    if not p.is_output or limits.max_output_tokens is None:
+        return p.sampling
+    sampling = dict(p.sampling or {})
+    asked = sampling.get("max_tokens")
+    if asked is None:
+        sampling["max_tokens"] = min(SamplingParams().max_tokens, limits.max_output_tokens)
+    elif isinstance(asked, int) and not isinstance(asked, bool):  # other types: SamplingParams names the error
+        limits.output_tokens(asked, f"placeholders[{p.name}].sampling.max_tokens")
+    return sampling
 
 
 @router.get("/stats")

@@ -3,7 +3,8 @@
 Keys come from ``--api-key`` (one tenant named ``default``) and/or a keys file (``--api-keys-file``), JSON::
 
     {"keys": [
-      {"name": "alice", "key": "sk-alice-...", "max_sessions": 50, "requests_per_minute": 600},
+      {"name": "alice", "key": "sk-alice-...", "max_sessions": 50, "requests_per_minute": 600,
+       "max_pending": 200, "max_prompt_tokens": 4096, "max_output_tokens": 1024},
       {"name": "bob", "key_sha256": "9f86d0...", "requests_per_minute": 60}
     ]}
 
@@ -31,9 +32,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Tenant:
+    """A key's owner and limits; None: no limit of the tenant's own (the server's defaults apply, see
+    parrot.api.limits)."""
+
     name: str
     max_sessions: int | None = None  # live sessions at once (400 naming the limit beyond it)
     requests_per_minute: float | None = None  # a token bucket of this size, refilled at this rate (429 beyond)
+    max_pending: int | None = None  # requests in flight at once: Parrot requests not done + OpenAI calls (429)
+    max_prompt_tokens: int | None = None  # prompt tokens of one request (400 naming the limit)
+    max_output_tokens: int | None = None  # tokens one output / choice may generate (400 naming the limit)
 
 
 ANONYMOUS = Tenant("anonymous")
@@ -101,7 +108,7 @@ def parse_keys(doc: object) -> dict[str, Tenant]:
     for i, entry in enumerate(doc["keys"]):
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not entry["name"]:
             raise ValueError(f"keys[{i}]: needs a non-empty 'name'")
-        unknown = set(entry) - {"name", "key", "key_sha256", "max_sessions", "requests_per_minute"}
+        unknown = set(entry) - {"name", "key", "key_sha256", "requests_per_minute", *_INT_LIMITS}
         if unknown:
             raise ValueError(f"keys[{i}]: unknown field(s) {sorted(unknown)}")
         if ("key" in entry) == ("key_sha256" in entry):
@@ -109,13 +116,18 @@ def parse_keys(doc: object) -> dict[str, Tenant]:
         digest = key_digest(entry["key"]) if "key" in entry else str(entry["key_sha256"]).lower()
         if len(digest) != 64:
             raise ValueError(f"keys[{i}]: key_sha256 must be 64 hex digits")
-        sessions, rpm = entry.get("max_sessions"), entry.get("requests_per_minute")
-        if sessions is not None and (not isinstance(sessions, int) or sessions < 1):
-            raise ValueError(f"keys[{i}]: max_sessions must be an integer >= 1")
-        if rpm is not None and (not isinstance(rpm, (int, float)) or rpm <= 0):
+        limits = {name: entry.get(name) for name in _INT_LIMITS}
+        for name, value in limits.items():
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"keys[{i}]: {name} must be an integer >= 1")
+        rpm = entry.get("requests_per_minute")
+        if rpm is not None and (isinstance(rpm, bool) or not isinstance(rpm, (int, float)) or rpm <= 0):
             raise ValueError(f"keys[{i}]: requests_per_minute must be > 0")
-        out[digest] = Tenant(entry["name"], sessions, float(rpm) if rpm is not None else None)
+        out[digest] = Tenant(entry["name"], requests_per_minute=float(rpm) if rpm is not None else None, **limits)
     return out
+
+
+_INT_LIMITS = ("max_sessions", "max_pending", "max_prompt_tokens", "max_output_tokens")
 
 
 class RateLimiter:

@@ -8,8 +8,8 @@ flags after ``--`` say otherwise) and measures that process's RSS. Each session 
 HTTP client: it creates a session and submits ``--calls`` semantic calls at once (independent ones, each a
 ``{{output}}`` over a distinct prompt), then long-polls every output; ``--openai`` chat completions run beside
 them. Reported: calls answered / lost (an error) / hung (no answer within the bound), latency p50 / p99 / max of
-the semantic calls (submit to value), throughput, fairness (the median latency of the first tenth of sessions to
-start vs the last tenth: early work should finish early, not wait for the whole backlog), and the server's RSS
+the semantic calls (submit to value), throughput, fairness (the median latency of the first tenth of calls to
+be submitted vs the last tenth: early work should finish early, not wait for the whole backlog), and the server's RSS
 before, at the peak and after (``--soak-s``: repeat the load for that long and sample RSS every 10 s).
 Every loop is bounded; the run stops by itself.
 """
@@ -48,7 +48,6 @@ def rss_mib(pid: int) -> float | None:
 
 async def one_session(url: str, index: int, calls: int, max_tokens: int, out: dict) -> None:
     """One app: a session, ``calls`` submits at once, then a long-poll GET of each output (bounded)."""
-    started = time.monotonic()
     answered = 0
     async with httpx.AsyncClient(base_url=url, timeout=90) as c:
         try:
@@ -77,7 +76,7 @@ async def one_session(url: str, index: int, calls: int, max_tokens: int, out: di
                         out["errors"].append(f"{r.status_code} {r.text[:120]}")
                         break
                     if r.json()["status"] == "ready":
-                        out["latencies"].append((started, time.monotonic() - t0))
+                        out["latencies"].append((t0, time.monotonic() - t0))
                         answered += 1
                         break
             await c.delete(base, headers=h)

@@ -37,6 +37,13 @@ class ContextLengthExceeded(InvalidRequestError):
     code = "context_length_exceeded"
 
 
+class LimitExceeded(InvalidRequestError):
+    """Over one of the tenant's or the server's limits (prompt / output tokens, variables, session state); the
+    message names the limit and ``param`` the field that crossed it."""
+
+    code = "limit_exceeded"
+
+
 class TemplateError(InvalidRequestError):
     code = "bad_template"
 
@@ -113,6 +120,12 @@ class EngineNameTaken(ConflictError):
     code = "engine_name_taken"
 
 
+class OpIdConflict(ConflictError):
+    """A fill's ``op_id`` was used before for a different fill (op ids name one fill and its retries)."""
+
+    code = "op_id_conflict"
+
+
 class PayloadTooLarge(ParrotError):
     status_code = 413
     error_type = "invalid_request_error"
@@ -123,6 +136,16 @@ class RateLimited(ParrotError):
     status_code = 429
     error_type = "rate_limit_error"
     code = "rate_limited"
+
+    def __init__(self, message: str, *, param: str | None = None, retry_after_s: float | None = None) -> None:
+        super().__init__(message, param=param)
+        self.retry_after_s = retry_after_s  # sent as Retry-After (whole seconds, at least 1)
+
+
+class PendingLimit(RateLimited):
+    """The tenant has its ``max_pending`` requests in flight: retry when some finish (429 with Retry-After)."""
+
+    code = "pending_limit"
 
 
 # ---- failures of a step, reported at every dependent get ---------------------------------------------------
@@ -168,6 +191,20 @@ class EngineError(ParrotError):
 class EngineUnavailable(EngineError):
     status_code = 503
     code = "engine_unavailable"
+
+
+class EngineTimeout(EngineUnavailable):
+    """An engine accepted a call and did not answer within its read timeout (hung, or stopped): the request path
+    fails over like an unreachable engine; the heartbeat check declares it dead only after heartbeat_timeout_s."""
+
+    status_code = 504
+    code = "engine_timeout"
+
+
+class ServerDraining(EngineUnavailable):
+    """The server (or engine) is shutting down: it finishes the work it runs and takes nothing new."""
+
+    code = "server_draining"
 
 
 class ModelNotFound(ParrotError):

@@ -118,6 +118,10 @@ class Context:
     pending: deque["Op"] = field(default_factory=deque)
     last_used: float = field(default_factory=time.monotonic)
     freed: bool = False
+    # Arrival of the latest FILL on this context that no GENERATE has followed yet (a fork inherits its parent's):
+    # the GENERATE that completes that turn queues by it, so a request's decode is not served after every fill
+    # that arrived while its own prompt was being prefilled (fair service: early requests finish early).
+    turn_arrival: float | None = None
     # chain hashes of the full token blocks (a function of ``tokens`` only; extended lazily, see block_hashes)
     _hashes: list[int] = field(default_factory=list)
     # KV state: read-only here, rebound only by parrot.engine.kv_cache.manager (immutable values: a tuple, ints)
@@ -167,6 +171,8 @@ class Op:
     prompt_logprobs: int | None = None  # FILL: report per filled token its logprob and this many alternatives
     arrival: float = field(default_factory=time.monotonic)
     seq_no: int = field(default_factory=lambda: next(_op_seq))
+    # FCFS key when it differs from ``arrival``: a GENERATE's turn arrival (Context.turn_arrival)
+    turn_arrival: float | None = None
     _status: OpStatus = field(default=OpStatus.QUEUED, init=False)
     # filled in while running
     prompt_len: int = 0  # context length when the op started
@@ -203,4 +209,6 @@ class Op:
 
     @property
     def sort_key(self) -> tuple[float, int]:
-        return (self.arrival, self.seq_no)
+        """FCFS order: by the turn's arrival (a GENERATE ranks with the FILL it follows), then submission."""
+        first = self.arrival if self.turn_arrival is None else min(self.arrival, self.turn_arrival)
+        return (first, self.seq_no)

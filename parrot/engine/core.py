@@ -120,6 +120,9 @@ class EngineCore(abc.ABC):
         self.grammars = GrammarCompiler(tokenizer)  # constrained generation: compiled once per constraint
         self.num_steps = 0
         self.num_tokens_computed = 0
+        # prefix-cache hit rate (metrics): prompt tokens of finished fills, and those served from the prefix cache
+        self.num_fill_tokens = 0
+        self.num_fill_cached_tokens = 0
         # iteration time vs batch (reported in status for the global scheduler's cost-aware placement): each
         # plan's batch counts and start time, recorded when the plan is applied
         self.step_stats = StepStats()
@@ -260,6 +263,10 @@ class EngineCore(abc.ABC):
 
     def _new_op(self, fut: ResultFuture, kind: OpKind, ctx: Context, **kw) -> Op:
         op = Op(kind, ctx, arrival=self.clock(), **kw)
+        if kind is OpKind.FILL:
+            ctx.turn_arrival = op.arrival
+        else:
+            op.turn_arrival, ctx.turn_arrival = ctx.turn_arrival, None
         op.on_done = lambda o, err: self._resolve(fut, o, err)
         return op
 
@@ -284,7 +291,8 @@ class EngineCore(abc.ABC):
     def _fork(self, context_id: str, parent: Context) -> Context:
         """Child shares the parent's full computed blocks (incref); the partial tail is recomputed by the child."""
         now = self.clock()
-        child = Context(context_id, parent.id, tokens=list(parent.tokens), last_used=now)
+        child = Context(context_id, parent.id, tokens=list(parent.tokens), last_used=now,
+                        turn_arrival=parent.turn_arrival)
         self.kv.fork(parent, child)
         if child.num_computed == len(child.tokens):
             child.last_hidden = parent.last_hidden
@@ -409,6 +417,8 @@ class EngineCore(abc.ABC):
                 self.scheduler.remove(op)
                 if wants_prompt_logprobs(op):
                     self.prompt_lp_cache.store(op)
+                self.num_fill_tokens += len(op.new_tokens)
+                self.num_fill_cached_tokens += min(op.num_cached, len(op.new_tokens))
                 self._complete(op, None)
         token_lps = {id(op): raw for op, raw in out.token_logprobs}
         for op, tok in out.sampled:
@@ -518,6 +528,8 @@ class EngineCore(abc.ABC):
             num_contexts=len(self.contexts), num_preempted_total=sch.num_preemptions,
             extra={"steps": self.num_steps, "tokens_computed": self.num_tokens_computed,
                    "prefix_cache_hit_blocks": self.pool.num_hit_blocks,
+                   "prefix_cache_query_tokens": self.num_fill_tokens,
+                   "prefix_cache_hit_tokens": self.num_fill_cached_tokens,
                    "prompt_logprob_cache_hits": self.prompt_lp_cache.num_hit_positions,
                    "shared_prefix_decode_rows": self.runner.num_shared_prefix_rows,
                    "pinned_blocks": self.pool.num_pinned, "kv_blocks_evicted": self.pool.num_evicted,

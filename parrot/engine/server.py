@@ -1,11 +1,14 @@
 """`parrot engine`: the builtin engine as its own FastAPI process (Fill / Generate / FreeContext over HTTP).
 
 Endpoints (prefix /engine/v1): fill, generate (JSON or SSE with ``stream``), free_context, status, tokenize,
-detokenize, model_info, token_cap (the manager's placement hint); plus /health. Errors are OpenAI-style bodies
-with the typed error's status and code, and a streamed generate is the shared SSE response
-(:mod:`parrot.http_edge`): ``data: {chunk}`` per chunk, an error event if the engine fails mid-stream, then
+detokenize, model_info, token_cap (the manager's placement hint); plus /health and /metrics (Prometheus).
+Errors are OpenAI-style bodies with the typed error's status and code, and a streamed generate is the shared SSE
+response (:mod:`parrot.http_edge`): ``data: {chunk}`` per chunk, an error event if the engine fails mid-stream, then
 ``data: [DONE]``; a client that disconnects closes the engine stream at once (the generation is aborted).
-With a manager URL the engine registers itself and sends heartbeats carrying its status; standalone it serves.
+With a manager URL the engine registers itself and sends heartbeats carrying its status
+(:mod:`parrot.engine.registration`); standalone it serves. A fill with an ``op_id`` is applied once however often
+it is retried (:mod:`parrot.engine.op_memo`). On SIGTERM it drains (:mod:`parrot.drain`): new fills and
+generates get 503 ``server_draining``, those in flight get ``shutdown_grace_s``.
 It imports only the engine side, :mod:`parrot.common` and the HTTP edge: an engine process loads neither the API
 app nor the manager (a test checks).
 """
@@ -15,19 +18,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 from collections.abc import AsyncIterator
 
 import anyio
-import httpx
 from fastapi import FastAPI
+from fastapi.responses import Response
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from parrot.common.errors import UnknownContext
 from parrot.common.sampling import SamplingParams
+from parrot.drain import Drain, DrainMiddleware
 from parrot.engine.interface import EngineClient
+from parrot.engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from parrot.engine.metrics import render_status
+from parrot.engine.op_memo import OpMemo
+from parrot.engine.registration import ManagerLink
 from parrot.engine.wire import (
-    ENGINE_SECRET_HEADER,
     DetokenizeRequest,
     FillRequest,
     FreeRequest,
@@ -51,8 +58,22 @@ class EngineServerSettings(BaseSettings):
     manager_url: str | None = Field(None, description="register with this manager and send heartbeats")
     manager_secret: SecretStr | None = Field(None, description="the manager's engine secret (its --engine-secret), "
                                              "sent with registration and heartbeats")
-    advertise_url: str | None = Field(None, description="URL the manager should call; default http://host:port")
+    advertise_url: str | None = Field(None, description="URL the manager should call (this engine as seen from the "
+                                      "manager's host, e.g. http://10.0.0.5:9001 when bound to 0.0.0.0); default "
+                                      "http://host:port")
     heartbeat_s: float = Field(1.0, gt=0, le=60)
+    manager_max_backoff_s: float = Field(30.0, gt=0, le=600, description="longest wait between attempts to reach an "
+                                         "unreachable or refusing manager (exponential backoff with jitter)")
+    shutdown_grace_s: float = Field(5.0, ge=0, le=600, description="on SIGTERM: refuse new fills / generates (503), "
+                                    "let those in flight finish for at most this long, then exit")
+
+    def advertised_url(self) -> str:
+        if self.advertise_url:
+            return self.advertise_url.rstrip("/")
+        if self.host in ("0.0.0.0", "::", ""):
+            raise ValueError("an engine bound to all interfaces needs --advertise-url (the URL the manager calls)")
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
 
 
 def create_engine_app(client: EngineClient, settings: EngineServerSettings | None = None) -> FastAPI:
@@ -62,7 +83,13 @@ def create_engine_app(client: EngineClient, settings: EngineServerSettings | Non
     async def lifespan(app: FastAPI):
         task = None
         if settings.manager_url:
-            task = asyncio.create_task(_register_loop(client, settings))
+            secret = settings.manager_secret.get_secret_value() if settings.manager_secret is not None else None
+            app.state.manager_link = ManagerLink(client, settings.manager_url, settings.advertised_url(),
+                                                 secret=secret, heartbeat_s=settings.heartbeat_s,
+                                                 max_backoff_s=settings.manager_max_backoff_s,
+                                                 draining=lambda: app.state.drain.draining,
+                                                 forgotten=free_orphans)
+            task = asyncio.create_task(app.state.manager_link.run())
         try:
             yield
         finally:
@@ -74,6 +101,21 @@ def create_engine_app(client: EngineClient, settings: EngineServerSettings | Non
 
     app = FastAPI(title="Parrot engine", lifespan=lifespan)
     install_error_handlers(app)
+    # ids of the contexts made through this server and not freed: when a manager forgets this engine (it restarted,
+    # or dropped us), nobody will free them any more, so they are freed before registering again
+    contexts: set[str] = set()
+
+    async def free_orphans() -> None:
+        orphans = list(contexts)
+        contexts.clear()
+        for context_id in orphans:
+            with contextlib.suppress(UnknownContext):
+                await client.free_context(context_id)
+        log.info("freed %d context(s) of a manager that no longer knows this engine", len(orphans))
+    memo = app.state.op_memo = OpMemo()  # fills by op id: a retried fill is answered, not applied again
+    app.state.drain = Drain(grace_s=settings.shutdown_grace_s)
+    app.add_middleware(DrainMiddleware, drain=app.state.drain,
+                       is_work=lambda method, path: method == "POST" and path in _WORK_PATHS)
 
     @app.get("/health")
     async def health() -> dict:
@@ -81,12 +123,21 @@ def create_engine_app(client: EngineClient, settings: EngineServerSettings | Non
 
     @app.post("/engine/v1/fill")
     async def fill(req: FillRequest) -> dict:
-        return to_json(await client.fill(req.token_ids, req.context_id, req.parent_context_id,
-                                         prompt_logprobs=req.prompt_logprobs))
+        contexts.add(req.context_id)
+
+        def work():
+            return client.fill(req.token_ids, req.context_id, req.parent_context_id,
+                               prompt_logprobs=req.prompt_logprobs)
+
+        if req.op_id is None:
+            return to_json(await work())
+        key = (req.context_id, req.parent_context_id, req.prompt_logprobs, hash(tuple(req.token_ids)))
+        return to_json(await memo.run(req.op_id, key, work))
 
     @app.post("/engine/v1/generate")
     async def generate(req: GenerateRequest):
         sampling = SamplingParams.from_dict(req.sampling)
+        contexts.add(req.context_id)
         if not req.stream:
             return to_json(await client.generate(sampling, req.context_id, req.parent_context_id))
         stream = client.generate_stream(sampling, req.context_id, req.parent_context_id)
@@ -107,6 +158,7 @@ def create_engine_app(client: EngineClient, settings: EngineServerSettings | Non
 
     @app.post("/engine/v1/free_context")
     async def free_context(req: FreeRequest) -> dict:
+        contexts.discard(req.context_id)
         await client.free_context(req.context_id)
         return {"freed": req.context_id}
 
@@ -118,6 +170,11 @@ def create_engine_app(client: EngineClient, settings: EngineServerSettings | Non
     @app.get("/engine/v1/status")
     async def status() -> dict:
         return to_json(await client.status())
+
+    @app.get("/metrics", response_class=Response)
+    async def metrics() -> Response:
+        """Prometheus metrics of this engine's current status (parrot.engine.metrics)."""
+        return Response(render_status(await client.status()), media_type=METRICS_CONTENT_TYPE)
 
     @app.post("/engine/v1/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:
@@ -134,41 +191,4 @@ def create_engine_app(client: EngineClient, settings: EngineServerSettings | Non
     return app
 
 
-async def _register_loop(client: EngineClient, settings: EngineServerSettings) -> None:
-    """Register with the manager, then heartbeat with status; re-register whenever the manager forgets us."""
-    url = settings.advertise_url or f"http://{settings.host}:{settings.port}"
-    base = settings.manager_url.rstrip("/")
-    instance = secrets.token_urlsafe(16)  # this process: the manager keeps our name for us, not for a newcomer
-    secret = settings.manager_secret.get_secret_value() if settings.manager_secret is not None else ""
-    headers = {ENGINE_SECRET_HEADER: secret} if secret else {}
-    registered = False
-    async with httpx.AsyncClient(timeout=5.0, headers=headers) as http:
-        while True:
-            try:
-                status = to_json(await client.status())
-                if not registered:
-                    r = await http.post(f"{base}/api/v1/engines/register",
-                                        json={"name": client.name, "url": url, "instance": instance})
-                    r.raise_for_status()
-                    registered = True
-                    log.info("registered with manager %s as %s", base, client.name)
-                r = await http.post(f"{base}/api/v1/engines/{client.name}/heartbeat",
-                                    json={"status": status, "instance": instance})
-                if r.status_code == 404:
-                    registered = False  # the manager restarted or declared us dead: register again
-                else:
-                    r.raise_for_status()
-            except httpx.HTTPStatusError as e:  # refused: bad secret, name taken... (retried: it may change)
-                registered = False
-                log.warning("manager %s refused %s: %s", base, e.request.url.path, _error_message(e.response))
-            except httpx.HTTPError as e:
-                registered = False
-                log.warning("manager %s unreachable (%s); retrying", base, e)
-            await asyncio.sleep(settings.heartbeat_s)
-
-
-def _error_message(resp: httpx.Response) -> str:
-    try:
-        return f"{resp.status_code} {resp.json()['error']['message']}"
-    except (ValueError, KeyError, TypeError):
-        return f"{resp.status_code} {resp.text[:200]}"
+_WORK_PATHS = frozenset({"/engine/v1/fill", "/engine/v1/generate"})  # refused while draining

@@ -28,6 +28,9 @@ class FillRequest(BaseModel):
     context_id: str = _ID
     parent_context_id: str | None = Field(None, min_length=1, max_length=256)
     prompt_logprobs: int | None = None  # validated by the engine (BadSamplingParams naming the field)
+    # names this fill and its retries: the engine applies it once and answers a repeat with the first result
+    # (parrot.engine.op_memo); None = not retried (applied as sent)
+    op_id: str | None = Field(None, min_length=8, max_length=64)
 
 
 class GenerateRequest(BaseModel):

@@ -11,19 +11,18 @@ Wire calls follow docs/api.md. Every non-2xx answer is rebuilt into its typed er
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import threading
 import time
+from collections.abc import AsyncIterator, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
 from parrot.common.errors import ParrotError, error_from_body
-
-if TYPE_CHECKING:
-    from parrot.frontend.variable import Latency
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +57,29 @@ def _raise_for(resp: httpx.Response) -> None:
     raise error_from_body(resp.status_code, body)
 
 
-RETRIES = 3  # extra attempts of a call whose connection failed (see _retryable)
-RETRY_BACKOFF_S = 0.1  # doubled per attempt
+# a call whose connection failed is sent again (see _retryable) for up to RETRY_WINDOW_S: long enough to ride out a
+# server restart (with --state-dir its sessions come back: a get waiting across the restart gets its value)
+RETRY_WINDOW_S = 60.0
+RETRY_BACKOFF_S = 0.1  # the first wait, doubled per attempt up to RETRY_MAX_BACKOFF_S
+RETRY_MAX_BACKOFF_S = 2.0
+
+
+class _Retry:
+    """The waits between attempts of one call: exponential from RETRY_BACKOFF_S, capped, until ``window_s``."""
+
+    def __init__(self, window_s: float) -> None:
+        self._deadline = time.monotonic() + window_s
+        self._wait = RETRY_BACKOFF_S
+        self.attempts = 0
+
+    def next_wait(self, method: str, err: httpx.TransportError) -> float | None:
+        """Seconds to wait before sending again, or None: give up (not retryable, or the window is over)."""
+        left = self._deadline - time.monotonic()
+        if not _retryable(method, err) or left <= 0:
+            return None
+        wait, self._wait = min(self._wait, left), min(self._wait * 2, RETRY_MAX_BACKOFF_S)
+        self.attempts += 1
+        return wait
 
 
 def _retryable(method: str, err: httpx.TransportError) -> bool:
@@ -79,9 +99,12 @@ class Session:
     """
 
     def __init__(self, url: str | None = None, api_key: str | None = None, *, ttl_s: float | None = None,
-                 native_workers: int = 8, transport: httpx.BaseTransport | None = None) -> None:
-        """``transport`` replaces the network (tests pass an ``httpx.MockTransport``, used sync and async)."""
+                 native_workers: int = 8, transport: httpx.BaseTransport | None = None,
+                 retry_window_s: float = RETRY_WINDOW_S) -> None:
+        """``transport`` replaces the network (tests pass an ``httpx.MockTransport``, used sync and async);
+        ``retry_window_s``: how long a call whose connection failed is retried (see RETRY_WINDOW_S)."""
         self.url = (url or os.environ.get("PARROT_URL") or DEFAULT_URL).rstrip("/")
+        self.retry_window_s = retry_window_s
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._transport = transport
         self._http = httpx.Client(base_url=self.url, headers=self._headers, timeout=MAX_POLL_S + _HTTP_SLACK_S,
@@ -109,15 +132,18 @@ class Session:
     def _request(self, method: str, path: str, **kwargs: Any) -> dict:
         if self.closed:
             raise NotConnected(f"session {self.session_id} is closed")
-        for attempt in range(RETRIES + 1):
+        retry = _Retry(self.retry_window_s)
+        while True:
             try:
                 resp = self._http.request(method, path, **kwargs)
                 break
             except httpx.TransportError as e:
-                if attempt == RETRIES or not _retryable(method, e):
-                    raise ServerUnreachable(f"cannot reach Parrot server at {self.url}: {e!r}") from e
-                log.info("%s %s: %r; retrying (%d of %d)", method, path, e, attempt + 1, RETRIES)
-                time.sleep(RETRY_BACKOFF_S * 2 ** attempt)
+                wait = retry.next_wait(method, e)
+                if wait is None:
+                    raise ServerUnreachable(f"cannot reach Parrot server at {self.url} ({retry.attempts} "
+                                            f"retries): {e!r}") from e
+                log.info("%s %s: %r; retry %d in %.1f s", method, path, e, retry.attempts, wait)
+                time.sleep(wait)
         _raise_for(resp)
         return resp.json()
 
@@ -134,15 +160,18 @@ class Session:
     async def _arequest(self, method: str, path: str, **kwargs: Any) -> dict:
         if self.closed:
             raise NotConnected(f"session {self.session_id} is closed")
-        for attempt in range(RETRIES + 1):
+        retry = _Retry(self.retry_window_s)
+        while True:
             try:
                 resp = await self._aclient().request(method, path, **kwargs)
                 break
             except httpx.TransportError as e:
-                if attempt == RETRIES or not _retryable(method, e):
-                    raise ServerUnreachable(f"cannot reach Parrot server at {self.url}: {e!r}") from e
-                log.info("%s %s: %r; retrying (%d of %d)", method, path, e, attempt + 1, RETRIES)
-                await asyncio.sleep(RETRY_BACKOFF_S * 2 ** attempt)
+                wait = retry.next_wait(method, e)
+                if wait is None:
+                    raise ServerUnreachable(f"cannot reach Parrot server at {self.url} ({retry.attempts} "
+                                            f"retries): {e!r}") from e
+                log.info("%s %s: %r; retry %d in %.1f s", method, path, e, retry.attempts, wait)
+                await asyncio.sleep(wait)
         _raise_for(resp)
         return resp.json()
 
@@ -160,18 +189,53 @@ class Session:
         self._request("PUT", f"{self._base}/variables/{var_id}", json={"value": value})
 
     def poll_variable(self, var_id: str, criteria: str | None, timeout_s: float, *,
-                      targets: Latency | None = None) -> str | None:
+                      targets: Mapping[str, float] | None = None) -> str | None:
         """One long-poll GET: the value, or None if still pending after ``timeout_s`` (<= MAX_POLL_S).
-        ``criteria`` and latency ``targets`` are recorded on the variable (GetPerfObj)."""
+        ``criteria`` and latency ``targets`` (the GET's ``ttft_ms`` / ``tpot_ms`` / ``deadline_s`` parameters, sent
+        as given) are recorded on the variable (GetPerfObj)."""
         answer = self._request("GET", f"{self._base}/variables/{var_id}",
                                params=_poll_params(criteria, timeout_s, targets))
         return answer["value"] if answer["status"] == "ready" else None
 
     async def apoll_variable(self, var_id: str, criteria: str | None, timeout_s: float, *,
-                             targets: Latency | None = None) -> str | None:
+                             targets: Mapping[str, float] | None = None) -> str | None:
         answer = await self._arequest("GET", f"{self._base}/variables/{var_id}",
                                       params=_poll_params(criteria, timeout_s, targets))
         return answer["value"] if answer["status"] == "ready" else None
+
+    def stream_variable(self, var_id: str, params: Mapping[str, Any]) -> Iterator[dict]:
+        """``GET .../variables/{var_id}/stream``: the stream's JSON events (docs/api.md) up to the last one;
+        ``params`` are its query (``criteria``, latency targets). An error event raises its typed error."""
+        if self.closed:
+            raise NotConnected(f"session {self.session_id} is closed")
+        try:
+            with self._http.stream("GET", f"{self._base}/variables/{var_id}/stream", params=dict(params)) as resp:
+                if not resp.is_success:
+                    resp.read()
+                    _raise_for(resp)
+                yield from _sse_events(resp.iter_lines())
+        except httpx.TransportError as e:
+            raise ServerUnreachable(f"stream of {var_id} from {self.url} broke: {e!r}") from e
+
+    async def astream_variable(self, var_id: str, params: Mapping[str, Any]) -> AsyncIterator[dict]:
+        """``async`` version of :meth:`stream_variable`."""
+        if self.closed:
+            raise NotConnected(f"session {self.session_id} is closed")
+        try:
+            async with self._aclient().stream("GET", f"{self._base}/variables/{var_id}/stream",
+                                              params=dict(params)) as resp:
+                if not resp.is_success:
+                    await resp.aread()
+                    _raise_for(resp)
+                async for line in resp.aiter_lines():
+                    event = _sse_event(line)
+                    if event is _DONE:
+                        return
+                    if event is not None:
+                        yield event
+        except httpx.TransportError as e:
+            raise ServerUnreachable(f"stream of {var_id} from {self.url} broke: {e!r}") from e
+        raise ServerUnreachable(f"stream of {var_id} from {self.url} ended without [DONE]")
 
     def submit(self, prompt: str, placeholders: list[dict], models: list[str] | None = None,
                name: str | None = None) -> dict[str, str]:
@@ -211,13 +275,40 @@ class Session:
         return f"Session({self.session_id!r} on {self.url}{', closed' if self.closed else ''})"
 
 
-def _poll_params(criteria: str | None, timeout_s: float, targets: Latency | None) -> dict[str, Any]:
+def _poll_params(criteria: str | None, timeout_s: float, targets: Mapping[str, float] | None) -> dict[str, Any]:
     params: dict[str, Any] = {"timeout": round(max(0.0, min(timeout_s, MAX_POLL_S)), 3)}
     if criteria:
         params["criteria"] = criteria
-    if targets is not None:
-        params.update(targets.query())
+    if targets:
+        params.update(targets)
     return params
+
+
+_DONE = object()  # the [DONE] line of a stream
+
+
+def _sse_event(line: str) -> dict | object | None:
+    """One SSE line: its JSON event, _DONE, or None (blank / comment / non-data lines). An error event (the
+    typed error body of docs/api.md) raises that error."""
+    if not line.startswith("data: "):
+        return None
+    data = line[6:]
+    if data == "[DONE]":
+        return _DONE
+    event = json.loads(data)
+    if "error" in event:
+        raise error_from_body(500, event)  # the body's code names the error (step_failed with its cause, ...)
+    return event
+
+
+def _sse_events(lines: Iterator[str]) -> Iterator[dict]:
+    for line in lines:
+        event = _sse_event(line)
+        if event is _DONE:
+            return
+        if event is not None:
+            yield event  # type: ignore[misc]
+    raise ServerUnreachable("the stream ended without [DONE]")
 
 
 class _DefaultSession:

@@ -62,6 +62,7 @@ from parrot.common.errors import (
     EngineUnavailable,
     InvalidRequestError,
 )
+from parrot.common.log_context import set_log_context
 from parrot.common.sampling import FinishReason, SamplingParams
 from parrot.engine.interface import EngineClient, FillResult, GenerateChunk, GenerateResult, ModelInfo
 from parrot.manager.completion_types import (
@@ -83,6 +84,8 @@ from parrot.manager.chat_template import ChatRenderer
 from parrot.manager.dispatcher import Dispatcher, DispatchRequest, Lease
 from parrot.manager.failover import Failover, Loss, OrphanContexts
 from parrot.manager.logprob_align import aligner, generated_positions
+from parrot.manager.metrics import ManagerMetrics
+from parrot.manager.recent import RecentRequests
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +95,13 @@ T = TypeVar("T")
 
 class CompletionService:
     def __init__(self, dispatcher: Dispatcher, *, max_n: int = 16, renderer: ChatRenderer | None = None,
-                 max_attempts: int = 3) -> None:
-        """``max_attempts``: runs of a prompt in all when its engine dies under it (1 = no restart)."""
+                 max_attempts: int = 3, recent: RecentRequests | None = None,
+                 metrics: ManagerMetrics | None = None) -> None:
+        """``max_attempts``: runs of a prompt in all when its engine dies under it (1 = no restart); ``recent``:
+        where each prompt is recorded with its timings when it ends (the manager's, for the web view)."""
         self.failover = Failover(dispatcher, max_attempts=max_attempts)  # raises ValueError for max_attempts < 1
+        self.recent = recent or RecentRequests()
+        self.metrics = metrics or ManagerMetrics()  # the manager's: requests, TTFT / TPOT / end-to-end
         self.dispatcher = dispatcher
         self.max_n = max_n
         self.renderer = renderer or ChatRenderer()
@@ -210,6 +217,11 @@ class CompletionService:
         run = _Run(self, plan)
         try:
             per_job = await gather_or_cancel([run.generate_all(job) for job in plan.jobs])
+        except BaseException as e:
+            run.timer.done(e)
+            raise
+        else:
+            run.timer.done(None)
         finally:
             await run.close()
         choices = [res for results in per_job for res in results]
@@ -247,6 +259,7 @@ class CompletionService:
                 chunk: GenerateChunk = item
                 completion_tokens += len(chunk.token_ids)
                 final = chunk.finish_reason is not None
+                run.timer.chunk(index, len(chunk.token_ids), final)
                 if final:
                     finished.add(index)
                 positions = aligners[index].push(generated_positions(plan, chunk.token_ids, chunk.logprobs),
@@ -254,6 +267,11 @@ class CompletionService:
                 if chunk.text or final or positions:
                     yield ChoiceDelta(index, chunk.text, chunk.finish_reason, positions)
             yield Usage(plan.prompt_tokens, completion_tokens, run.cached_tokens)
+        except BaseException as e:  # a failure, or the client went away (GeneratorExit)
+            run.timer.done(e)
+            raise
+        else:
+            run.timer.done(None)
         finally:
             for t in pumps:
                 t.cancel()
@@ -275,6 +293,7 @@ class _Run:
         self.leases: list[Lease] = []
         self.contexts: list[tuple[str, EngineClient, str]] = []  # (engine, client it was created through, context)
         self.fills: dict[int, FillResult] = {}  # job index -> the fill of its latest run
+        self.timer = service.metrics.timer("chat" if plan.chat else "completions")
 
     @property
     def cached_tokens(self) -> int:
@@ -286,11 +305,13 @@ class _Run:
         on another one (see the module docstring) while ``restartable()`` and attempts remain. Without
         generation (echo, max_tokens 0) ``targets`` is empty."""
         plan = self.plan
+        set_log_context(request_id=plan.id)  # runs in a task of its own (gather_or_cancel / a pump): its records
         # prompt logprobs only when they are echoed; passed only then (engines without them never see the keyword)
         fill_kwargs = {"prompt_logprobs": plan.logprobs} if plan.echo and plan.logprobs is not None else {}
 
         async def attempt(lease: Lease, n: int) -> T:
             self.leases.append(lease)  # held until close: the contexts live on
+            self.service.recent.dispatched(span, lease.engine)
             client = lease.client
             base = f"{plan.id}-{job.index}" + (f"-r{n}" if n > 1 else "")
             self.contexts.append((lease.engine, client, base))
@@ -308,8 +329,9 @@ class _Run:
         request = DispatchRequest(request_id=f"{plan.id}/{job.index}", models=(plan.model,),
                                   prompt_tokens=len(job.token_ids), prompt_token_ids=tuple(job.token_ids),
                                   max_new_tokens=sum(s.max_tokens for s in job.samplings) if plan.generate else 0)
-        return await self.service.failover.run(request, attempt, what=f"completion {plan.id}/{job.index}",
-                                               restartable=restartable, on_lost=self._abandon)
+        with self.service.recent.span(request.request_id, plan.model, prompt_tokens=len(job.token_ids)) as span:
+            return await self.service.failover.run(request, attempt, what=f"completion {plan.id}/{job.index}",
+                                                   restartable=restartable, on_lost=self._abandon)
 
     def _abandon(self, loss: Loss) -> None:
         """Forget the contexts of a run whose engine died: the orphan list frees them if the same engine
@@ -343,10 +365,12 @@ class _Run:
             if not plan.generate:
                 return [ChoiceResult(echo_text, FinishReason.LENGTH, (), echo_positions if with_logprobs else None)
                         for _ in job.samplings]
+            called = time.monotonic()
             results: list[GenerateResult] = await gather_or_cancel(
                 [client.generate(s, ctx, parent) for s, (ctx, parent) in zip(job.samplings, targets)])
             out = []
             for res in results:
+                self.timer.result(res, called)
                 positions = aligner(plan).push(generated_positions(plan, res.token_ids, res.logprobs), res.text,
                                                 final=True)
                 out.append(ChoiceResult(echo_text + res.text, res.finish_reason, res.token_ids,

@@ -10,6 +10,8 @@ with a FAILED input. A request runs in one fresh engine context (tokens per temp
 
 fill everything before an output, generate the output (its tokens join the context), materialize it (so its
 consumers start right away, even before the request's later outputs), continue; free the context at the end.
+An unconstrained output is generated through the engine's stream, its pieces appended to the variable's
+:class:`~parrot.manager.value_stream.ValueStream` as they arrive (readers of ``GET .../stream`` follow it).
 With prefix sharing (:mod:`parrot.manager.prefix_sharing`) the context is instead created as a fork of a
 prefix context holding the pieces up to a boundary, and the first fill carries only the pieces after it.
 
@@ -30,8 +32,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from parrot.common.errors import (ConstraintIncomplete, EngineUnavailable, ParrotError, StepFailed, UnknownContext,
-                                  UnknownSession)
+from parrot.common.errors import (ConstraintIncomplete, EngineUnavailable, LimitExceeded, ParrotError, StepFailed,
+                                  UnknownContext, UnknownSession)
+from parrot.common.log_context import set_log_context
 from parrot.common.perf import PerfCriteria
 from parrot.common.sampling import FinishReason
 from parrot.common.template import TextSegment
@@ -40,9 +43,12 @@ from parrot.engine.interface import EngineClient, ModelInfo
 from parrot.manager.dispatcher import Dispatcher, DispatchRequest, Lease
 from parrot.manager.failover import Failover, Loss, OrphanContexts
 from parrot.manager.graph import PlaceholderBinding, RequestNode, RequestStatus, Variable, VarStatus
+from parrot.manager.metrics import ManagerMetrics
 from parrot.manager.prefix_sharing import Boundary, Fork, PrefixSharing, PromptHead
 from parrot.manager.prefix_store import ContextRef, PrefixHasher, PrefixStore
+from parrot.manager.recent import RecentRequests
 from parrot.manager.session import SessionState
+from parrot.manager.value_stream import OutputSink, generate_streamed
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +58,19 @@ CLOSE_WAIT_S = 10.0  # how long closing a session waits for its cancelled tasks 
 class GraphExecutor:
     def __init__(self, dispatcher: Dispatcher, prefix_store: PrefixStore, *, sharing: PrefixSharing | None = None,
                  on_activity: Callable[[SessionState], None] | None = None, clock: Callable[[], float] = time.time,
-                 max_attempts: int = 3):
+                 max_attempts: int = 3, recent: RecentRequests | None = None, stream_outputs: bool = True,
+                 metrics: ManagerMetrics | None = None):
+        """``stream_outputs``: generate unconstrained outputs through the engine's stream, so readers of a variable
+        get its pieces while it is generated (:mod:`parrot.manager.value_stream`); False: one piece when done."""
         self.failover = Failover(dispatcher, max_attempts=max_attempts)  # raises ValueError for max_attempts < 1
         self.dispatcher = dispatcher
         self.prefix_store = prefix_store
         self.sharing = sharing  # None or disabled: every request fills its whole prompt
         self._on_activity = on_activity or (lambda session: None)
         self._clock = clock
+        self.stream_outputs = stream_outputs
+        self.recent = recent or RecentRequests(clock=clock)  # every run request, when it ends (the web view's feed)
+        self.metrics = metrics or ManagerMetrics()  # requests by status, TTFT / TPOT / end-to-end (GET /metrics)
         # request key -> {output var id: raw generated text} of outputs materialized by an earlier run
         self._generated: dict[str, dict[str, str]] = {}
         self._orphans = OrphanContexts(dispatcher.registry)  # contexts left on engines while they were dead
@@ -69,14 +81,19 @@ class GraphExecutor:
         return self.failover.num_restarts
 
     # ---- entry points ---------------------------------------------------------------------------------------
-    def submitted(self, session: SessionState, req: RequestNode) -> None:
-        """A request was added to the graph: queue its known prefix hashes and start it if it is ready."""
+    def submitted(self, session: SessionState, req: RequestNode, *, generated: dict[str, str] | None = None) -> None:
+        """A request was added to the graph: queue its known prefix hashes and start it if it is ready.
+        ``generated``: {output var id: raw text} of outputs an earlier run materialized (a request restored from
+        the journal, parrot.manager.restore): they are filled back, not generated again, as after a failover."""
+        if generated:
+            self._generated[_key(session, req)] = dict(generated)
         self.prefix_store.add_queued(_key(session, req), self._known_boundaries(session, req))
         self._advance(session, [req.request_id])
 
     def set_value(self, session: SessionState, var_id: str, value: str) -> Variable:
         """A client PUT: materialize a free variable and start what waited for it."""
         session.graph.check_settable(var_id)
+        session.graph.reserve_text(value, "the value")
         return self._materialize(session, var_id, value)
 
     async def close_session(self, session: SessionState) -> None:
@@ -156,8 +173,10 @@ class GraphExecutor:
 
     # ---- execution ------------------------------------------------------------------------------------------
     async def _execute(self, session: SessionState, req: RequestNode) -> None:
+        set_log_context(request_id=req.request_id, session_id=session.session_id)  # this task's log records
         key = _key(session, req)
         graph = session.graph
+        ready = self._clock()  # inputs materialized: the request's latencies count from here
 
         async def run(lease: Lease, attempt: int) -> None:
             await self._run(session, req, lease)
@@ -190,6 +209,8 @@ class GraphExecutor:
         finally:
             self._generated.pop(key, None)
             self._on_activity(session)
+            self.recent.dag_request_done(session.session_id, session.owner, req)
+            self.metrics.dag_request_done(req, ready, self._clock())
 
     async def _run(self, session: SessionState, req: RequestNode, lease: Lease) -> None:
         graph, client, info = session.graph, lease.client, lease.info
@@ -221,6 +242,7 @@ class GraphExecutor:
                     if binding.is_output:
                         replayed = self._generated.get(key, {}).get(binding.var_id or "")
                     if binding.is_output and replayed is None:
+                        _check_prompt_limit(session, offset, binding.name)
                         if pending:
                             await client.fill(pending, ctx)
                             pending = []
@@ -289,10 +311,17 @@ class GraphExecutor:
         the model generates them itself, and they are not part of the value."""
         assert binding.sampling is not None and binding.var_id is not None
         started = self._clock()
-        result = await lease.client.generate(binding.sampling, ctx)
+        if self.stream_outputs and binding.sampling.constraint is None:
+            # pieces reach the variable's readers as they arrive (value_stream); a constrained output is not
+            # streamed: only the whole result says whether it completed its grammar
+            sink = OutputSink(session.graph.variables[binding.var_id].pieces, lead)
+            result = await generate_streamed(lease.client, binding.sampling, ctx, sink, self._clock)
+        else:
+            result = await lease.client.generate(binding.sampling, ctx)
         if req.times.first_token is None:
             # the engine reports its time to first token (queueing included); the call started at `started`
             req.times.first_token = min(started + result.ttft_s, self._clock())
+        self.metrics.generated("parrot", result)
         text = result.text
         constraint = binding.sampling.constraint
         if constraint is not None and (result.constraint_complete is False or (  # None: the engine cannot tell
@@ -306,6 +335,7 @@ class GraphExecutor:
         value = apply_transforms(list(binding.transforms), text) if binding.transforms else text
         self._materialize(session, binding.var_id, value)
         self._generated.setdefault(_key(session, req), {})[binding.var_id] = result.text
+        session.graph.journal.output_text(session.session_id, binding.var_id, result.text)
         return result.text, len(result.token_ids)
 
     async def _free(self, session: SessionState, ctx: str) -> None:
@@ -405,3 +435,11 @@ def _input_value(var: Variable, binding: PlaceholderBinding) -> str:
 
 def _key(session: SessionState, req: RequestNode) -> str:
     return f"{session.session_id}/{req.request_id}"
+
+
+def _check_prompt_limit(session: SessionState, num_tokens: int, output: str) -> None:
+    """LimitExceeded (the step fails) when the prompt before ``output`` is over the session owner's limit."""
+    limit = session.max_prompt_tokens
+    if limit is not None and num_tokens > limit:
+        raise LimitExceeded(f"the prompt before output {output!r} has {num_tokens} tokens; the max_prompt_tokens "
+                            f"limit of tenant {session.owner!r} is {limit}", param="prompt")

@@ -33,9 +33,12 @@ from parrot.common.errors import (
 )
 from parrot.common.perf import PerfCriteria
 from parrot.common.sampling import SamplingParams
-from parrot.common.template import PlaceholderSegment, Segment
+from parrot.common.template import PlaceholderSegment, Segment, TextSegment
 from parrot.common.transforms import Transform
+from parrot.manager.journal import Journal, NullJournal
 from parrot.manager.perf import PerfAnnotation
+from parrot.manager.state_budget import StateBudget
+from parrot.manager.value_stream import ValueStream
 
 
 class VarStatus(str, Enum):
@@ -121,6 +124,7 @@ class Variable:
     consumers: list[str] = field(default_factory=list)  # request ids, in submit order, unique
     perf: PerfAnnotation | None = None
     _done: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    pieces: ValueStream = field(default_factory=ValueStream, repr=False)  # the value while generated (streaming)
 
     @property
     def done(self) -> bool:
@@ -156,14 +160,27 @@ class RequestNode:
 
 
 class Graph:
-    """Variables and requests of one session. Not thread-safe: used from the event loop only."""
+    """Variables and requests of one session. Not thread-safe: used from the event loop only.
 
-    def __init__(self, session_id: str, *, max_nodes: int = 10_000, clock: Callable[[], float] = time.time):
+    Every change below is also handed to ``journal`` (:mod:`parrot.manager.journal`; a NullJournal records
+    nothing), right after it is made."""
+
+    def __init__(self, session_id: str, *, max_nodes: int = 10_000, clock: Callable[[], float] = time.time,
+                 journal: Journal | None = None, budget: StateBudget | None = None):
         self.session_id = session_id
         self.max_nodes = max_nodes
+        self.budget = budget or StateBudget()  # bytes of values and prompts held (default: unbounded)
+        self.bytes_used = 0  # charged to the budget (given back when the session closes)
         self._clock = clock
+        self.journal = journal or NullJournal()
         self.variables: dict[str, Variable] = {}
         self.requests: dict[str, RequestNode] = {}
+        self._num_final = 0  # requests FINISHED or FAILED (see open_requests)
+
+    @property
+    def open_requests(self) -> int:
+        """Requests not FINISHED or FAILED yet (waiting, ready or running): the session's work in flight."""
+        return len(self.requests) - self._num_final
 
     # ---- lookup ---------------------------------------------------------------------------------------------
     def variable(self, var_id: str) -> Variable:
@@ -190,7 +207,10 @@ class Graph:
     def set_perf_obj(self, var_id: str, criteria: PerfCriteria) -> None:
         var = self.variable(var_id)
         now = self._clock()
+        before = var.perf
         var.perf = PerfAnnotation(criteria, now) if var.perf is None else var.perf.merged(criteria, now)
+        if var.perf is not before:
+            self.journal.perf_recorded(self.session_id, var)
 
     # ---- building -------------------------------------------------------------------------------------------
     def _check_capacity(self, new_nodes: int) -> None:
@@ -200,9 +220,12 @@ class Graph:
 
     def add_variable(self, name: str | None = None, value: str | None = None) -> Variable:
         self._check_capacity(1)
+        if value is not None:
+            self.reserve_text(value, "the value")
         number = len(self.variables) + 1
         var = Variable(var_id=f"v_{number}", number=number, name=name)
         self.variables[var.var_id] = var
+        self.journal.variable_added(self.session_id, var)
         if value is not None:
             self.materialize(var.var_id, value)
         return var
@@ -224,6 +247,8 @@ class Graph:
         Raises UnknownVariable (404) for unknown ids, VariableAlreadySet (409) for an output variable that
         already holds a value, InvalidRequestError (400) for a variable with two producers, CycleError (400).
         """
+        prompt_bytes = sum(len(seg.text.encode()) for seg in segments if isinstance(seg, TextSegment))
+        self.budget.reserve(self.bytes_used, prompt_bytes, "the prompt")
         existing_outputs: dict[str, str] = {}  # var id -> placeholder name
         for b in bindings:
             if not b.is_output:
@@ -265,11 +290,29 @@ class Graph:
                           bindings=bound, inputs=inputs, outputs=outputs, models=tuple(models),
                           times=RequestTimes(submitted=self._clock()))
         self.requests[request_id] = req
+        self._charge(prompt_bytes)
         for vid in outputs:
             self.variables[vid].producer = request_id
         for vid in inputs:
             self.variables[vid].consumers.append(request_id)
+        self.journal.request_added(self.session_id, req)
         return req
+
+    def load(self, variables: Iterable[Variable], requests: Iterable[RequestNode]) -> None:
+        """Adopt nodes rebuilt from the journal (:mod:`parrot.manager.restore`) into this empty graph, in number
+        order, with their statuses as journaled; done variables wake their waiters at once. Not journaled again."""
+        if self.variables or self.requests:
+            raise IllegalTransition(f"graph of {self.session_id}: load() needs an empty graph")
+        for var in variables:
+            self.variables[var.var_id] = var
+            if var.value is not None:
+                self._charge(len(var.value.encode()))
+            if var.done:
+                var._done.set()
+        for req in requests:
+            self.requests[req.request_id] = req
+            self._charge(sum(len(seg.text.encode()) for seg in req.segments if isinstance(seg, TextSegment)))
+            self._num_final += req.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
 
     def _check_acyclic(self, inputs: Iterable[str], outputs: dict[str, str]) -> None:
         """Walk upstream from the inputs (each variable has at most one producer); meeting an output closes
@@ -291,12 +334,27 @@ class Graph:
                 stack.extend(self.requests[producer].inputs)
 
     # ---- state transitions (called by the executor) -------------------------------------------------------------
+    def reserve_text(self, text: str, what: str) -> None:
+        """LimitExceeded unless client-given ``text`` fits the session's and the server's byte budget."""
+        self.budget.reserve(self.bytes_used, len(text.encode()), what)
+
+    def _charge(self, nbytes: int) -> None:
+        self.bytes_used += nbytes
+        self.budget.charge(nbytes)
+
+    def release_budget(self) -> None:
+        """Give the session's bytes back (it is closed; its graph is dropped)."""
+        self.budget.release(self.bytes_used)
+        self.bytes_used = 0
+
     def materialize(self, var_id: str, value: str) -> Variable:
         var = self.variable(var_id)
         if var.status is not VarStatus.PENDING:
             raise VariableAlreadySet(f"variable {var_id!r} is already {var.status.value}", param="var_id")
         var.value = value
+        self._charge(len(value.encode()))
         self._set_var_status(var, VarStatus.READY)
+        self.journal.variable_done(self.session_id, var)
         return var
 
     def fail_variable(self, var_id: str, error: StepFailed) -> bool:
@@ -306,6 +364,7 @@ class Graph:
             return False
         var.error = error
         self._set_var_status(var, VarStatus.FAILED)
+        self.journal.variable_done(self.session_id, var)
         return True
 
     @staticmethod
@@ -315,6 +374,7 @@ class Graph:
         var.status = status
         if var.done:
             var._done.set()
+            var.pieces.wake()
 
     def input_state(self, req: RequestNode) -> tuple[bool, Variable | None]:
         """(all inputs ready, the first failed input or None)."""
@@ -335,6 +395,8 @@ class Graph:
             req.times.dispatched = self._clock()
         elif status in (RequestStatus.FINISHED, RequestStatus.FAILED):
             req.times.finished = self._clock()
+            self._num_final += 1
+        self.journal.request_status(self.session_id, req)
 
     # ---- dumps ----------------------------------------------------------------------------------------------
     def dump_text(self) -> str:

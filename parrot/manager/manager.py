@@ -21,11 +21,16 @@ from parrot.manager.dispatcher import Dispatcher, Policy
 from parrot.manager.engine_registry import EngineRegistry
 from parrot.manager.executor import GraphExecutor
 from parrot.manager.graph import RequestNode, Variable, VarStatus
+from parrot.manager.journal import Journal, open_journal
+from parrot.manager.metrics import ManagerMetrics
 from parrot.manager.perf_deduction import PerfDeduction
 from parrot.manager.policies import POLICY_NAMES, CapacityConfig, make_policy
 from parrot.manager.prefix_sharing import PrefixSharing, PrefixStats, SharingConfig
 from parrot.manager.prefix_store import PrefixStore
+from parrot.manager.recent import RecentRequests
+from parrot.manager.restore import restore_sessions
 from parrot.manager.session import SessionState, SessionStore
+from parrot.manager.state_budget import StateBudget
 from parrot.manager.submit import SubmitSpec, build_bindings
 
 logger = logging.getLogger(__name__)
@@ -43,6 +48,10 @@ class ManagerConfig(BaseModel):
     session_cleanup_interval_s: float = Field(5.0, gt=0, description="how often expired sessions are closed")
     max_sessions: int = Field(10_000, ge=1, description="open sessions at most")
     max_nodes_per_session: int = Field(10_000, ge=1, description="variables + requests per session")
+    max_session_bytes: int = Field(64 * 2**20, ge=1024, description="bytes of values and prompts one session may "
+                                   "hold (parrot.manager.state_budget); past it a set / submit is a 400")
+    max_state_bytes: int = Field(2 * 2**30, ge=1024, description="bytes of values and prompts all sessions may hold "
+                                 "together: bounds the manager's memory")
     max_long_poll_s: float = Field(60.0, gt=0, description="longest wait of one GET of a variable")
     engine_heartbeat_s: float = Field(2.0, ge=0, description="engine status refresh period (0 = off)")
     # prefix sharing (paper §5.3): fill a shared prompt prefix once into a prefix context and fork sharers
@@ -60,6 +69,10 @@ class ManagerConfig(BaseModel):
                                        "(also bounded by its KV capacity)")
     heartbeat_timeout_s: float = Field(10.0, gt=0, description="an engine silent this long is declared dead")
     max_attempts: int = Field(3, ge=1, description="runs of a request in all when its engine dies under it")
+    state_dir: str | None = Field(None, description="journal sessions, their DAGs and values here (SQLite, WAL); "
+                                  "on start, continue the sessions found there (parrot.manager.restore)")
+    restore_wait_s: float = Field(60.0, ge=0, description="after a restart with no live engine, how long restored "
+                                  "requests wait for one to register before they fail")
 
     @model_validator(mode="after")
     def _check_caps(self) -> "ManagerConfig":
@@ -99,28 +112,38 @@ class Manager:
     absolute; the simulator passes its virtual clock, so every one of them is simulated time."""
 
     def __init__(self, registry: EngineRegistry, *, policy: Policy | None = None,
-                 config: ManagerConfig | None = None, clock: Callable[[], float] = time.time) -> None:
+                 config: ManagerConfig | None = None, clock: Callable[[], float] = time.time,
+                 journal: Journal | None = None) -> None:
+        """``journal``: where sessions are made durable; None opens the one of ``config.state_dir`` (none: a
+        NullJournal). Raises JournalError for a state dir that cannot be used."""
         self.config = config or ManagerConfig()
+        self.journal = journal if journal is not None else open_journal(self.config.state_dir)
         self.registry = registry
         self.clock = clock
         self.prefix_store = PrefixStore()
         self.deduction = PerfDeduction(clock=clock)
+        self.metrics = ManagerMetrics()  # this manager's Prometheus registry (GET /metrics); watch() below
         self.dispatcher = Dispatcher(registry, policy or make_policy(self.config.policy, self.config.capacity_config()),
                                      prefix_lookup=self.prefix_store.engine_prefix_tokens,
-                                     info_lookup=self.deduction.info, clock=clock)
+                                     info_lookup=self.deduction.info, clock=clock, on_placed=self.metrics.placed)
         self.sharing = PrefixSharing(self.prefix_store, registry, self.config.sharing_config(), clock=clock)
         self.sessions = SessionStore(default_ttl_s=self.config.session_ttl_s,
                                      max_ttl_s=self.config.max_session_ttl_s, max_sessions=self.config.max_sessions,
-                                     max_nodes_per_session=self.config.max_nodes_per_session, clock=clock)
+                                     max_nodes_per_session=self.config.max_nodes_per_session, clock=clock,
+                                     journal=self.journal, budget=StateBudget(self.config.max_session_bytes,
+                                                                              self.config.max_state_bytes))
+        self.recent = RecentRequests(clock=clock)  # finished requests with timings, for the web view (/ui)
         self.executor = GraphExecutor(self.dispatcher, self.prefix_store, sharing=self.sharing,
-                                      on_activity=self.sessions.touch, clock=clock,
-                                      max_attempts=self.config.max_attempts)
+                                      on_activity=self.sessions.touch, clock=clock, recent=self.recent,
+                                      max_attempts=self.config.max_attempts, metrics=self.metrics)
+        self.metrics.watch(self)
         self._background: list[asyncio.Task] = []
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
     async def start(self) -> None:
         """Probe the engines and start the cleanup (and heartbeat) tasks."""
         await self.registry.refresh()
+        restore_sessions(self)  # sessions of a previous run in the journal continue (none without --state-dir)
         self._background.append(asyncio.create_task(self._cleanup_loop(), name="parrot-session-cleanup"))
         if self.config.engine_heartbeat_s > 0:
             self._background.append(asyncio.create_task(
@@ -128,7 +151,10 @@ class Manager:
                 name="parrot-heartbeat"))
 
     async def stop(self) -> None:
-        """Cancel background tasks and close every session (freeing engine contexts)."""
+        """Cancel background tasks and close every session (freeing engine contexts). The journal is closed first:
+        closing a session fails its pending variables in memory only; in the journal they stay pending and resume
+        at the next start."""
+        self.journal.close()
         for t in self._background:
             t.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -158,6 +184,7 @@ class Manager:
         """Close every expired session now; returns how many were closed."""
         expired = self.sessions.pop_expired()
         for session in expired:
+            self.journal.session_deleted(session.session_id)
             logger.info("session %s expired (idle > %.0f s)", session.session_id, session.ttl_s)
             await self._close(session)
         return len(expired)
@@ -173,6 +200,7 @@ class Manager:
 
     async def delete_session(self, session: SessionState) -> None:
         self.sessions.pop(session.session_id)
+        self.journal.session_deleted(session.session_id)
         await self._close(session)
 
     # ---- variables ------------------------------------------------------------------------------------------

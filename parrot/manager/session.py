@@ -3,11 +3,15 @@
 Ids and tokens come from :mod:`secrets` (unguessable). A session expires ``ttl_s`` seconds after its last
 access (any authenticated call or a request of it finishing); the manager's cleanup task closes expired
 sessions, which cancels their requests and frees their engine contexts.
+
+The store keeps only a token's SHA-256 for checking it (the clear token is handed to the client once, at
+creation), so a session restored from the journal (:mod:`parrot.manager.restore`) authenticates the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import secrets
 import time
 from collections.abc import Callable
@@ -15,6 +19,13 @@ from dataclasses import dataclass, field
 
 from parrot.common.errors import InvalidRequestError, InvalidSessionToken, UnknownSession
 from parrot.manager.graph import Graph
+from parrot.manager.state_budget import StateBudget
+from parrot.manager.journal import Journal, NullJournal
+
+
+def token_digest(token: str) -> bytes:
+    """SHA-256 of a session token: what the store and the journal keep (tokens are 256-bit random)."""
+    return hashlib.sha256(token.encode()).digest()
 
 
 @dataclass(eq=False)
@@ -23,7 +34,8 @@ class SessionState:
     its DAG, secret token, running request tasks and live engine contexts."""
 
     session_id: str
-    token: str
+    token: str | None  # the clear token: known at creation only (None for a session restored from the journal)
+    token_digest: bytes  # token_digest(token): what authenticate() checks
     ttl_s: float
     graph: Graph
     last_access: float  # the store's clock
@@ -34,6 +46,8 @@ class SessionState:
     contexts: dict[str, str] = field(default_factory=dict)
     closed: bool = False
     owner: str = "anonymous"  # the tenant that created it: only that tenant finds it (others get 404)
+    # the owner's prompt limit (parrot.api.limits): a request whose context before an output is longer fails
+    max_prompt_tokens: int | None = None
 
     def expired(self, now: float) -> bool:
         return now - self.last_access > self.ttl_s
@@ -44,7 +58,8 @@ class SessionStore:
     the manager passes its own, tests inject a fake one."""
 
     def __init__(self, *, default_ttl_s: float = 600.0, max_ttl_s: float = 86_400.0, max_sessions: int = 10_000,
-                 max_nodes_per_session: int = 10_000, clock: Callable[[], float] = time.time) -> None:
+                 max_nodes_per_session: int = 10_000, clock: Callable[[], float] = time.time,
+                 journal: Journal | None = None, budget: StateBudget | None = None) -> None:
         if not 0 < default_ttl_s <= max_ttl_s:
             raise ValueError(f"default_ttl_s must be in (0, max_ttl_s={max_ttl_s}], got {default_ttl_s}")
         self.default_ttl_s = default_ttl_s
@@ -52,6 +67,8 @@ class SessionStore:
         self.max_sessions = max_sessions
         self.max_nodes_per_session = max_nodes_per_session
         self.clock = clock
+        self.journal = journal or NullJournal()  # sessions' graphs write their DAG events to it too
+        self.budget = budget or StateBudget()  # bytes of values and prompts the sessions hold (all graphs share it)
         self._sessions: dict[str, SessionState] = {}
 
     def create(self, ttl_s: float | None = None, *, owner: str = "anonymous",
@@ -67,11 +84,22 @@ class SessionStore:
                                       "delete unused ones", param="max_sessions")
         sid = "s_" + secrets.token_urlsafe(18)
         now = self.clock()
-        session = SessionState(session_id=sid, token=secrets.token_urlsafe(32), ttl_s=ttl,
-                          graph=Graph(sid, max_nodes=self.max_nodes_per_session, clock=self.clock), last_access=now,
-                          created_at=now, owner=owner)
+        token = secrets.token_urlsafe(32)
+        session = SessionState(session_id=sid, token=token, token_digest=token_digest(token), ttl_s=ttl,
+                               graph=self.new_graph(sid), last_access=now, created_at=now, owner=owner)
         self._sessions[sid] = session
+        self.journal.session_created(session)
         return session
+
+    def new_graph(self, session_id: str) -> Graph:
+        """An empty graph for session ``session_id``, writing to this store's journal."""
+        return Graph(session_id, max_nodes=self.max_nodes_per_session, clock=self.clock, journal=self.journal,
+                     budget=self.budget)
+
+    def adopt(self, session: SessionState) -> None:
+        """Insert a session rebuilt from the journal (parrot.manager.restore); its TTL starts again now."""
+        session.last_access = self.clock()
+        self._sessions[session.session_id] = session
 
     def authenticate(self, session_id: str, token: str | None, owner: str = "anonymous") -> SessionState:
         """The session if it belongs to ``owner`` and ``token`` matches (constant-time compare); touches it.
@@ -82,7 +110,7 @@ class SessionStore:
         session = self._sessions.get(session_id)
         if session is None or session.expired(self.clock()) or session.owner != owner:
             raise UnknownSession(f"unknown session {session_id!r} (deleted or expired?)", param="session_id")
-        if not token or not secrets.compare_digest(token.encode(), session.token.encode()):
+        if not token or not secrets.compare_digest(token_digest(token), session.token_digest):
             raise InvalidSessionToken(f"missing or wrong session token for session {session_id!r} "
                                       "(header X-Parrot-Session-Token)", param="X-Parrot-Session-Token")
         self.touch(session)
@@ -92,13 +120,17 @@ class SessionStore:
         session.last_access = self.clock()
 
     def pop(self, session_id: str) -> SessionState | None:
-        return self._sessions.pop(session_id, None)
+        session = self._sessions.pop(session_id, None)
+        if session is not None:
+            session.graph.release_budget()
+        return session
 
     def pop_expired(self) -> list[SessionState]:
         now = self.clock()
         expired = [s for s in self._sessions.values() if s.expired(now)]
         for s in expired:
             del self._sessions[s.session_id]
+            s.graph.release_budget()
         return expired
 
     def all(self) -> list[SessionState]:
