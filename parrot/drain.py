@@ -181,4 +181,7 @@ def serve(app, *, host: str, port: int, drain: Drain, **config) -> None:
     """Run ``app`` under :class:`DrainingServer` until SIGTERM / SIGINT (blocking)."""
     server = DrainingServer(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=drain.grace_s,
                                            **config), drain)
-    server.run()
+    try:
+        server.run()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)  # shut down in time: the backstop is off (the caller may clean up)
