@@ -78,6 +78,12 @@ def test_engine_eviction_notices_reach_e2_through_heartbeats(tmp_path, default_m
         assert policy.notices_applied >= 1 and policy.notice_tokens_dropped >= 16
         complete(a + [7])  # A again: no engine is believed to hold it any more
         assert policy.last.cached < 128
+        # E2's counters reach the operator: GET /api/v1/stats and /metrics
+        stats = httpx.get(f"{server.url}/api/v1/stats", timeout=5).json()["scheduler"]
+        assert stats["decisions"]["eviction-notices"] == policy.notices_applied >= 1
+        assert sum(n for k, n in stats["decisions"].items() if k != "eviction-notices") >= 5  # one per completion
+        metrics = httpx.get(f"{server.url}/metrics", timeout=5).text
+        assert 'parrot_policy_decisions_total{kind="eviction-notices",policy="e2"}' in metrics
     finally:
         stop_all(procs)
         server.stop()

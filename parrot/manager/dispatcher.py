@@ -429,10 +429,12 @@ class Dispatcher:
     # ---- introspection --------------------------------------------------------------------------------------
     def stats(self) -> dict:
         cluster = self._cluster()
-        return {"policy": self.policy.name, "queued": len(self._queue), "engines": {
-            name: {"requests": len(v.placed), "tokens": cluster.engine_tokens(name), "cap": v.cap,
-                   "cap_sent": self._caps_sent.get(name), "kinds": sorted({p.demand.kind.value for p in v.placed})}
-            for name, v in cluster.engines.items()}}
+        engines = {name: {"requests": len(v.placed), "tokens": cluster.engine_tokens(name), "cap": v.cap,
+                          "cap_sent": self._caps_sent.get(name),
+                          "kinds": sorted({p.demand.kind.value for p in v.placed})}
+                   for name, v in cluster.engines.items()}
+        return {"policy": self.policy.name, "queued": len(self._queue), "decisions": self.policy.decision_counts(),
+                "engines": engines}
 
 
 def _cost_pool(e: EngineEntry) -> tuple[str, str]:

@@ -245,6 +245,12 @@ class _StateCollector(Collector):
         for e in entries:
             up.add_metric([e.name, e.info.name if e.info is not None else ""], 1.0 if e.healthy else 0.0)
         yield up
+        decisions = CounterMetricFamily("parrot_policy_decisions", "the global policy's decisions by kind (E2: "
+                                        "exploit, explore, rebalance, replicate, pd-balance, eviction-notices)",
+                                        labels=["policy", "kind"])
+        for kind, n in sorted(stats["decisions"].items()):
+            decisions.add_metric([policy, kind], n)
+        yield decisions
         yield from status_families([e.status for e in entries if e.status is not None])
         sharing = m.sharing.stats()
         for name, doc, value in (

@@ -268,6 +268,12 @@ class Policy(abc.ABC):
         this answer."""
         return None
 
+    def decision_counts(self) -> dict[str, int]:
+        """Decisions made so far, by kind, for ``GET /api/v1/stats`` and ``/metrics`` (E2: exploit, explore,
+        rebalance, replicate, pd-balance, eviction notices applied). A policy that keeps no such counters reports
+        none: this answer."""
+        return {}
+
 
 class PerRequestPolicy(Policy):
     """A policy that picks one engine per request and never queues (no caps): :meth:`choose` decides."""

@@ -352,6 +352,9 @@ class E2Policy(Policy):
         self._record(request, engine, path, n, cached[engine], cluster, matched)
         return self._decided(Decision(engine, kind, cached[engine], costs))
 
+    def decision_counts(self) -> dict[str, int]:
+        return {**self.counts, "eviction-notices": self.notices_applied}
+
     def _decided(self, d: Decision) -> Decision:
         self.last = d
         self.counts[d.kind] = self.counts.get(d.kind, 0) + 1
@@ -413,6 +416,10 @@ class AppCentricWithE2(AppCentricPolicy):
     def __init__(self, caps: CapacityConfig | None = None, e2: E2Config | None = None, **kw) -> None:
         super().__init__(caps, **kw)
         self.e2 = E2Policy(e2)
+
+    def decision_counts(self) -> dict[str, int]:
+        """E2's counters: the unstructured requests' decisions (structured ones follow Algorithm 1)."""
+        return self.e2.decision_counts()
 
     @staticmethod
     def unstructured(request: DispatchRequest) -> bool:
