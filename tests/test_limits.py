@@ -155,3 +155,23 @@ def test_session_state_bytes_are_bounded_per_session_and_in_all():
         # a deleted session gives its bytes back
         assert c.delete(others[0][0], headers=others[0][1]).status_code == 200
         assert c.post(f"{b3}/variables", json={"value": "z" * 3000}, headers=h3).status_code == 200
+
+
+def test_the_session_store_indexes_sessions_by_owner_through_create_pop_and_expiry():
+    """What the per-key limits read (SessionStore.owned) stays equal to a scan of every session."""
+    from parrot.manager.session import SessionStore
+
+    now = [0.0]
+    store = SessionStore(default_ttl_s=10, clock=lambda: now[0])
+    a1, a2 = store.create(owner="a"), store.create(owner="a", owner_limit=2)
+    b1 = store.create(ttl_s=5, owner="b")
+    with pytest.raises(Exception, match="max_sessions limit"):
+        store.create(owner="a", owner_limit=2)
+    assert {s.session_id for s in store.owned("a")} == {a1.session_id, a2.session_id}
+    store.pop(a1.session_id)
+    assert [s.session_id for s in store.owned("a")] == [a2.session_id]
+    now[0] = 7.0  # b's session expires, a's does not
+    assert [s.session_id for s in store.pop_expired()] == [b1.session_id]
+    assert store.owned("b") == [] and store.owned("nobody") == []
+    for owner in ("a", "b"):
+        assert store.owned(owner) == [s for s in store.all() if s.owner == owner]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ import pytest
 
 import parrot as P
 from engine_procs import SECRET, TINY_ENGINE, wait_until
+from parrot.engine.procs import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LONG = 1500  # tokens of the step that is in flight at the kill (ignore_eos: always this long; long enough that
@@ -45,9 +45,7 @@ def _start(port: int, state_dir, log, *, external: bool) -> subprocess.Popen:
 
 
 def _start_engine(manager_port: int, log) -> subprocess.Popen:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, PARROT_ENGINE_SERVER_MANAGER_SECRET=SECRET)
     return subprocess.Popen([sys.executable, "-m", "parrot.cli", "engine", "--name", "e0", "--port", str(port),
                              "--manager-url", f"http://127.0.0.1:{manager_port}", "--heartbeat-s", "0.2",
@@ -64,9 +62,7 @@ def _ready(url: str) -> bool:
 
 @pytest.mark.parametrize("external", [False, True], ids=["builtin-engine", "engine-process"])
 def test_manager_killed_and_restarted_continues_the_app(tmp_path, external):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     url, state = f"http://127.0.0.1:{port}", tmp_path / "state"
     logs = [open(tmp_path / name, "w") for name in ("serve-1.log", "serve-2.log", "engine.log")]
     procs = [_start(port, state, logs[0], external=external)]

@@ -13,13 +13,13 @@ from __future__ import annotations
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
+
+from parrot.engine.procs import free_port, wait_healthy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHROMIUM = "/usr/bin/chromium"
@@ -30,12 +30,6 @@ CHUNKS = ["Lighthouses guided ships along dangerous coasts for centuries, using 
           "The Fresnel lens, invented in 1822, focused the light into a beam visible for many miles.",
           "Today most lighthouses are automated and keepers no longer live beside the lamp."]
 WAIT_MS = 20_000
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- without a browser or the model: the ring of recent requests and who sees what in a snapshot ---------------
@@ -109,23 +103,13 @@ def server(tmp_path_factory):
         pytest.skip(str(e))
     keys = tmp_path_factory.mktemp("ui") / "keys.json"
     keys.write_text(json.dumps({"keys": [{"name": "alice", "key": ALICE}, {"name": "bob", "key": BOB}]}))
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, PARROT_ENGINE_KV_CACHE_TOKENS="8192", PARROT_LOG_LEVEL="WARNING")
     proc = subprocess.Popen([sys.executable, "-m", "parrot.cli", "serve", "--port", str(port), "--api-keys-file",
                              str(keys), "--engine-heartbeat-s", "0.5", "--prefix-min-tokens", "8"], env=env, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, "parrot serve exited during startup"
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        else:
-            pytest.fail("parrot serve did not become ready")
+        wait_healthy(url, proc, 180, "parrot serve", path="/ready")
         yield url
     finally:
         proc.terminate()

@@ -103,8 +103,7 @@ class InFlight:
         self._calls: dict[str, int] = {}
 
     def pending(self, tenant: str) -> int:
-        sessions = (s for s in self._manager.sessions.all() if s.owner == tenant)
-        return self._calls.get(tenant, 0) + sum(s.graph.open_requests for s in sessions)
+        return self._calls.get(tenant, 0) + sum(s.graph.open_requests for s in self._manager.sessions.owned(tenant))
 
     def admit(self, limits: RequestLimits, adding: int = 1) -> None:
         """PendingLimit (429, Retry-After) when ``adding`` more would pass the tenant's max_pending."""

@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
-
-from parrot.common.errors import EngineUnavailable
+from parrot.engine.procs import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_BINARY = ROOT / ".venv" / "llama.cpp" / "bin" / "llama-server"
@@ -23,27 +19,6 @@ DEFAULT_BINARY = ROOT / ".venv" / "llama.cpp" / "bin" / "llama-server"
 def binary_path() -> Path:
     """Where the binary is expected: ``$PARROT_LLAMA_SERVER``, else .venv/llama.cpp/bin/llama-server."""
     return Path(os.environ.get("PARROT_LLAMA_SERVER") or DEFAULT_BINARY)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, what: str) -> None:
-    """Poll ``url/health`` until 200; EngineUnavailable if ``proc`` exits or ``timeout_s`` passes first."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise EngineUnavailable(f"{what} exited during startup (code {proc.returncode})")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    raise EngineUnavailable(f"{what} at {url} not healthy after {timeout_s} s")
 
 
 def stop_process(proc: subprocess.Popen) -> None:

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import httpx
 
-from parrot.backends.llama_server import binary_path, free_port, llama_server, running
+from parrot.backends.llama_server import binary_path, llama_server, running
+from parrot.engine.procs import free_port
 from parrot.bench.app_bench import DEFAULT_DOCUMENT, measure, print_table
 from parrot.bench.apps import APPS
 from parrot.frontend.client import connect

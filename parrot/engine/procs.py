@@ -16,8 +16,13 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from typing import IO
+
+import httpx
+
+from parrot.common.errors import EngineUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +34,22 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, what: str, path: str = "/health") -> None:
+    """Poll ``url + path`` until it answers 200; EngineUnavailable if ``proc`` exits or ``timeout_s`` passes
+    first (a server process we started: an engine, a manager, llama.cpp's server)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise EngineUnavailable(f"{what} exited during startup (code {proc.returncode})")
+        try:
+            if httpx.get(f"{url}{path}", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    raise EngineUnavailable(f"{what} at {url} not healthy after {timeout_s} s")
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec

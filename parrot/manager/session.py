@@ -70,6 +70,7 @@ class SessionStore:
         self.journal = journal or NullJournal()  # sessions' graphs write their DAG events to it too
         self.budget = budget or StateBudget()  # bytes of values and prompts the sessions hold (all graphs share it)
         self._sessions: dict[str, SessionState] = {}
+        self._by_owner: dict[str, dict[str, SessionState]] = {}  # tenant -> its sessions (an index of _sessions)
 
     def create(self, ttl_s: float | None = None, *, owner: str = "anonymous",
                owner_limit: int | None = None) -> SessionState:
@@ -79,7 +80,7 @@ class SessionStore:
             raise InvalidRequestError(f"ttl_s must be in (0, {self.max_ttl_s}], got {ttl_s}", param="ttl_s")
         if len(self._sessions) >= self.max_sessions:
             raise InvalidRequestError(f"too many open sessions (limit {self.max_sessions}); delete unused ones")
-        if owner_limit is not None and sum(1 for x in self._sessions.values() if x.owner == owner) >= owner_limit:
+        if owner_limit is not None and len(self._by_owner.get(owner, ())) >= owner_limit:
             raise InvalidRequestError(f"tenant {owner!r} has {owner_limit} open sessions, its max_sessions limit; "
                                       "delete unused ones", param="max_sessions")
         sid = "s_" + secrets.token_urlsafe(18)
@@ -87,7 +88,7 @@ class SessionStore:
         token = secrets.token_urlsafe(32)
         session = SessionState(session_id=sid, token=token, token_digest=token_digest(token), ttl_s=ttl,
                                graph=self.new_graph(sid), last_access=now, created_at=now, owner=owner)
-        self._sessions[sid] = session
+        self._insert(session)
         self.journal.session_created(session)
         return session
 
@@ -99,7 +100,7 @@ class SessionStore:
     def adopt(self, session: SessionState) -> None:
         """Insert a session rebuilt from the journal (parrot.manager.restore); its TTL starts again now."""
         session.last_access = self.clock()
-        self._sessions[session.session_id] = session
+        self._insert(session)
 
     def authenticate(self, session_id: str, token: str | None, owner: str = "anonymous") -> SessionState:
         """The session if it belongs to ``owner`` and ``token`` matches (constant-time compare); touches it.
@@ -122,7 +123,7 @@ class SessionStore:
     def pop(self, session_id: str) -> SessionState | None:
         session = self._sessions.pop(session_id, None)
         if session is not None:
-            session.graph.release_budget()
+            self._forget(session)
         return session
 
     def pop_expired(self) -> list[SessionState]:
@@ -130,8 +131,24 @@ class SessionStore:
         expired = [s for s in self._sessions.values() if s.expired(now)]
         for s in expired:
             del self._sessions[s.session_id]
-            s.graph.release_budget()
+            self._forget(s)
         return expired
+
+    def owned(self, owner: str) -> list[SessionState]:
+        """The live sessions of tenant ``owner`` (an index: no scan of every session)."""
+        return list(self._by_owner.get(owner, {}).values())
+
+    def _insert(self, session: SessionState) -> None:
+        self._sessions[session.session_id] = session
+        self._by_owner.setdefault(session.owner, {})[session.session_id] = session
+
+    def _forget(self, session: SessionState) -> None:
+        """``session`` left the table: drop it from the owner index and give its state bytes back."""
+        mine = self._by_owner.get(session.owner, {})
+        mine.pop(session.session_id, None)
+        if not mine:
+            self._by_owner.pop(session.owner, None)
+        session.graph.release_budget()
 
     def all(self) -> list[SessionState]:
         return list(self._sessions.values())

@@ -40,7 +40,7 @@ def build(manager: Manager, tenant: str, *, open_server: bool) -> dict:
     """The snapshot ``tenant`` may see. ``open_server``: no keys configured, everyone is one tenant, so the
     unowned records keep their ids."""
     now = manager.clock()
-    sessions = sorted((s for s in manager.sessions.all() if s.owner == tenant and not s.expired(now)),
+    sessions = sorted((s for s in manager.sessions.owned(tenant) if not s.expired(now)),
                       key=lambda s: s.last_access, reverse=True)[:MAX_SESSIONS]
     stats = manager.dispatcher.stats()
     placed = stats.get("engines", {})
