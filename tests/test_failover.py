@@ -26,13 +26,13 @@ class FlakyEngine(UnreachableEngine):
         self.die_on_generate = die_on_generate
         self.generates = 0
 
-    async def generate_stream(self, sampling, context_id, parent_context_id=None):
+    async def generate_stream(self, sampling, context_id, parent_context_id=None, *, hint=None):
         # every generation passes here: the executor's streamed outputs, and FakeEngine.generate
         self._check()
         self.generates += 1
         if self.generates == self.die_on_generate:
             self.down = True
-        async for chunk in super().generate_stream(sampling, context_id, parent_context_id):
+        async for chunk in super().generate_stream(sampling, context_id, parent_context_id, hint=hint):
             yield chunk
 
 
@@ -238,8 +238,6 @@ def test_killed_engine_process_requests_rerun_on_the_survivor(tmp_path, default_
         combine = SemanticFunction("Combine {{input:a}} | {{input:b}} | {{input:c}} | {{input:d}} => {{output:s}}",
                                    name="reduce", defaults=short)
         polish = SemanticFunction("Polish: {{input:x}} -> {{output:s}}", name="polish", defaults=short)
-        maps = [summarize(str(i), session=session) for i in range(4)]
-        final = polish(combine(*maps, session=session), session=session)
 
         def generating(dag: dict, engine: str, within_s: float | None = None) -> set[str]:
             # "running" also covers a request whose outputs are all materialized and which is only freeing its
@@ -252,12 +250,29 @@ def test_killed_engine_process_requests_rerun_on_the_survivor(tmp_path, default_
                     and not set(r["outputs"]) <= ready
                     and (within_s is None or r["timestamps"]["dispatched"] > time.time() - within_s)}
 
-        def generating_on_each_engine():
-            dag = session.dag()
+        def generating_on_each_engine(dag: dict):
             doomed = generating(dag, "fo-0", within_s=0.5)
             return doomed if doomed and generating(dag, "fo-1") else None
 
-        generating_before = wait_until(generating_on_each_engine, 60, "map steps generating on both engines")
+        # A round of four maps lasts ~1 s, and a poll of the DAG can take longer than the 0.5 s window on two busy
+        # cores: a round whose maps all got past the window without being seen can never satisfy the condition,
+        # so it runs to the end and a fresh round (new prompts) is submitted, at most five times.
+        generating_before = None
+        for attempt in range(5):
+            maps = [summarize(f"{attempt}.{i}", session=session) for i in range(4)]
+            final = polish(combine(*maps, session=session), session=session)
+            deadline = time.monotonic() + 60
+            while generating_before is None and time.monotonic() < deadline:
+                dag = session.dag()
+                generating_before = generating_on_each_engine(dag)
+                if generating_before is None and not any(r["status"] in ("waiting", "ready", "running")
+                                                         and r["name"] == "map" for r in dag["requests"]):
+                    break  # this round's maps are over: the window was missed
+                time.sleep(0.02)
+            if generating_before is not None:
+                break
+            assert final.get(timeout=120)  # let the missed round finish before the next one
+        assert generating_before, "never saw map steps generating on both engines (5 rounds)"
         victim = next(p for p in procs if p.name == "fo-0")
         victim.kill()  # SIGKILL: no goodbye, in-flight HTTP calls break
         # a step may still have finished between that snapshot and the kill; nothing can finish on fo-0 after it,

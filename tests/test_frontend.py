@@ -686,3 +686,20 @@ def test_dropped_connections_retry_reads_but_never_repeat_a_submit(fake, monkeyp
         s.close()
     assert client_mod._retryable("POST", httpx.ConnectError("x")) and not client_mod._retryable(
         "POST", httpx.ReadError("x")) and client_mod._retryable("GET", httpx.ReadError("x"))
+
+
+def test_local_server_listens_with_the_tcp_protocol_so_connections_get_tcp_nodelay():
+    """asyncio sets TCP_NODELAY only on sockets whose protocol is IPPROTO_TCP, and the connections the local server
+    accepts inherit its listening socket's; with protocol 0, Nagle's algorithm against the client's delayed ACKs made
+    every keep-alive call ~44 ms (measured: 44.1 ms -> 0.96 ms per small POST)."""
+    import socket
+
+    from fastapi import FastAPI
+
+    from parrot.frontend.local import LocalServer
+
+    server = LocalServer(FastAPI())
+    try:
+        assert server._sock.proto == socket.IPPROTO_TCP
+    finally:
+        server.stop()
