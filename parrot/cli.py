@@ -178,7 +178,10 @@ def _cmd_profile(ns: argparse.Namespace) -> None:
     print(f"fit: {model.source['fit_relative_error']}; saved {out} ({load_model(out).name})")
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``parrot`` argument parser (every subcommand; flags from the settings objects, e.g. ``parrot serve
+    --tool-policy lamps|lamps-fcfs|infercept|discard|preserve`` from EngineSettings.tool_policy, handed to the builtin engine
+    in the server and, re-serialized, to each ``parrot engine`` child)."""
     from parrot.api.settings import ServerSettings
     from parrot.engine.server import EngineServerSettings
     from parrot.engine.settings import EngineSettings
@@ -215,8 +218,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="fewer samples (a smoke test, not a usable fit)")
     _add_settings_flags(p, EngineSettings)
     p.set_defaults(fn=_cmd_profile)
+    return parser
 
-    ns = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> None:
+    ns = build_parser().parse_args(argv)
     from parrot.common.log_context import configure_logging
 
     configure_logging(ns.log_level, ns.log_format)  # request / session ids on every record (parrot.common.log_context)

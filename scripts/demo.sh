@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up (idempotent), start `parrot serve` on the default model (SmolLM2-135M-Instruct, CPU), run the paper's
 # apps against it (Fig. 7 snake game, a two-output template, chain and map-reduce summaries, a structured-output
-# pipeline, a LangChain LCEL map-reduce compiled to semantic functions), and stop the server.
+# pipeline, a LangChain LCEL map-reduce compiled to semantic functions, a tool-using agent), and stop the server.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -16,7 +16,7 @@ for _ in $(seq 1 300); do
   kill -0 $SERVER 2>/dev/null || { echo "parrot serve exited" >&2; exit 1; }
   sleep 1
 done
-for app in snake_game multi_output chain_summary map_reduce_summary structured_pipeline langchain_chain; do
+for app in snake_game multi_output chain_summary map_reduce_summary structured_pipeline langchain_chain agent; do
   echo "=== examples/${app}.py"
   .venv/bin/python "examples/${app}.py"
 done

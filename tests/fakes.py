@@ -45,6 +45,7 @@ from parrot.engine.interface import (
     GenerateChunk,
     GenerateResult,
     ModelInfo,
+    OpHint,
 )
 
 BOS, EOS, OFFSET = 1, 2, 3
@@ -177,7 +178,7 @@ class FakeEngine(EngineClient):
         return self.decode(self.contexts[context_id])
 
     async def fill(self, token_ids: list[int], context_id: str, parent_context_id: str | None = None, *,
-                   prompt_logprobs: int | None = None) -> FillResult:
+                   prompt_logprobs: int | None = None, hint=None) -> FillResult:
         self.calls.append(("fill", context_id, parent_context_id, list(token_ids)))
         if prompt_logprobs is not None and not 0 <= prompt_logprobs <= 20:
             raise BadSamplingParams(f"prompt_logprobs must be in [0, 20], got {prompt_logprobs}",
@@ -203,7 +204,7 @@ class FakeEngine(EngineClient):
                           prompt_logprobs=positions)
 
     async def generate(self, sampling: SamplingParams, context_id: str,
-                       parent_context_id: str | None = None) -> GenerateResult:
+                       parent_context_id: str | None = None, *, hint: OpHint | None = None) -> GenerateResult:
         started = time.monotonic()
         ids: list[int] = []
         logprobs: list[PositionLogprobs] = []
@@ -211,7 +212,7 @@ class FakeEngine(EngineClient):
         finish = FinishReason.STOP
         first = 0.0
         prompt_len = 0
-        async for chunk in self.generate_stream(sampling, context_id, parent_context_id):
+        async for chunk in self.generate_stream(sampling, context_id, parent_context_id, hint=hint):
             if not first:
                 first = time.monotonic() - started
             ids.extend(chunk.token_ids)
@@ -223,8 +224,8 @@ class FakeEngine(EngineClient):
         return GenerateResult(context_id, tuple(ids), text, finish, prompt_len, ttft_s=first,
                               latency_s=time.monotonic() - started, logprobs=tuple(logprobs))
 
-    async def generate_stream(self, sampling: SamplingParams, context_id: str,
-                              parent_context_id: str | None = None) -> AsyncIterator[GenerateChunk]:
+    async def generate_stream(self, sampling: SamplingParams, context_id: str, parent_context_id: str | None = None,
+                              *, hint: OpHint | None = None) -> AsyncIterator[GenerateChunk]:
         self.calls.append(("generate", context_id, parent_context_id, sampling))
         tokens = self._context(context_id, parent_context_id)
         self.generating += 1
@@ -321,17 +322,18 @@ class UnreachableEngine(FakeEngine):
         if self.down:
             raise EngineUnavailable(f"engine {self.name} unreachable (connection refused)")
 
-    async def fill(self, token_ids, context_id, parent_context_id=None, *, prompt_logprobs=None):
+    async def fill(self, token_ids, context_id, parent_context_id=None, *, prompt_logprobs=None, hint=None):
         self._check()
-        return await super().fill(token_ids, context_id, parent_context_id, prompt_logprobs=prompt_logprobs)
+        return await super().fill(token_ids, context_id, parent_context_id, prompt_logprobs=prompt_logprobs,
+                                  hint=hint)
 
-    async def generate(self, sampling, context_id, parent_context_id=None):
+    async def generate(self, sampling, context_id, parent_context_id=None, *, hint=None):
         self._check()
-        return await super().generate(sampling, context_id, parent_context_id)
+        return await super().generate(sampling, context_id, parent_context_id, hint=hint)
 
-    async def generate_stream(self, sampling, context_id, parent_context_id=None):
+    async def generate_stream(self, sampling, context_id, parent_context_id=None, *, hint=None):
         self._check()
-        async for chunk in super().generate_stream(sampling, context_id, parent_context_id):
+        async for chunk in super().generate_stream(sampling, context_id, parent_context_id, hint=hint):
             yield chunk
 
     async def tokenize(self, text):

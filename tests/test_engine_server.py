@@ -133,9 +133,9 @@ class StallingEngine(FakeEngine):
         self.streaming = threading.Event()  # set once the first token is out
         self.closed = threading.Event()  # set when the engine stream is closed (the generation would abort)
 
-    async def generate_stream(self, sampling, context_id, parent_context_id=None):
+    async def generate_stream(self, sampling, context_id, parent_context_id=None, *, hint=None):
         try:
-            yield (await anext(super().generate_stream(sampling, context_id, parent_context_id)))
+            yield (await anext(super().generate_stream(sampling, context_id, parent_context_id, hint=hint)))
             self.streaming.set()
             if self.fail:
                 raise EngineError("fake engine failure mid-stream")

@@ -27,9 +27,9 @@ class DyingEngine(UnreachableEngine):
         super().__init__(name, max_model_len=1024)
         self.die_after_tokens = die_after_tokens
 
-    async def generate_stream(self, sampling, context_id, parent_context_id=None):
+    async def generate_stream(self, sampling, context_id, parent_context_id=None, *, hint=None):
         n = 0
-        async for chunk in super().generate_stream(sampling, context_id, parent_context_id):
+        async for chunk in super().generate_stream(sampling, context_id, parent_context_id, hint=hint):
             if self.die_after_tokens is not None and n >= self.die_after_tokens:
                 self.down = True
                 self._check()

@@ -116,12 +116,12 @@ class GatedSecondOutput(FakeEngine):
         super().__init__()
         self.marker, self.hold, self.generated = marker, asyncio.Event(), []
 
-    async def generate_stream(self, sampling, context_id, parent_context_id=None):
+    async def generate_stream(self, sampling, context_id, parent_context_id=None, *, hint=None):
         text = self.decode(self.contexts.get(context_id, []))
         self.generated.append(text)
         if self.marker in text and not self.hold.is_set():
             await asyncio.Event().wait()  # hangs until cancelled (the crash)
-        async for chunk in super().generate_stream(sampling, context_id, parent_context_id):
+        async for chunk in super().generate_stream(sampling, context_id, parent_context_id, hint=hint):
             yield chunk
 
 

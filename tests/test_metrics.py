@@ -71,6 +71,23 @@ def test_engine_status_families_read_every_field_and_the_hit_rate():
     # an engine that does not count something (an adapter) leaves that counter out instead of claiming 0
     bare = {f.name: f.samples for f in status_families([status()])}
     assert bare["parrot_engine_steps"] == [] and bare["parrot_engine_prefix_cache_hit_rate"][0].value == 0.0
+    assert bare["parrot_engine_paused_contexts"] == [] and bare["parrot_engine_tool_pauses"] == []
+
+
+def test_engine_tool_pause_and_host_store_metrics():
+    s = status(tool_pauses={"paused": 2, "by_handling": {"preserve": 3, "swap": 1}, "resumed": 1, "expired": 1,
+                            "demoted": 1},
+               host_store={"blocks": 12, "capacity": 64, "stored": 20, "hits": 8, "evicted": 0})
+    got = samples(render_status(s).decode())
+    lab = (("engine", "e0"), ("model", "m"))
+    assert got[("parrot_engine_paused_contexts", lab)] == 2
+    assert got[("parrot_engine_host_kv_blocks", lab)] == 12
+    assert got[("parrot_engine_tool_pauses_total", tuple(sorted((*lab, ("handling", "preserve")))))] == 3
+    assert got[("parrot_engine_tool_pauses_total", tuple(sorted((*lab, ("handling", "swap")))))] == 1
+    assert got[("parrot_engine_tool_pauses_resumed_total", lab)] == 1
+    assert got[("parrot_engine_tool_pauses_expired_total", lab)] == 1
+    assert got[("parrot_engine_tool_pauses_demoted_total", lab)] == 1
+    assert got[("parrot_engine_host_kv_blocks_restored_total", lab)] == 8
 
 
 async def failing_request(mgr: Manager, engine: FakeEngine, session):

@@ -219,8 +219,8 @@ def test_chat_logprobs_validation(client):
 class NoLogprobsEngine(FakeEngine):
     """An engine that ignores the logprobs request (the contract says it must not)."""
 
-    async def generate(self, sampling, context_id, parent_context_id=None) -> GenerateResult:
-        res = await super().generate(sampling, context_id, parent_context_id)
+    async def generate(self, sampling, context_id, parent_context_id=None, *, hint=None) -> GenerateResult:
+        res = await super().generate(sampling, context_id, parent_context_id, hint=hint)
         return GenerateResult(res.context_id, res.token_ids, res.text, res.finish_reason, res.prompt_len)
 
 

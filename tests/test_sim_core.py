@@ -13,6 +13,9 @@ from parrot.common.errors import ContextLengthExceeded, UnknownContext
 from parrot.common.sampling import FinishReason, SamplingParams
 from parrot.engine.local_client import LocalEngineClient
 from parrot.sim.cost_model import (
+    GENERATED,
+    GPUS,
+    LLMS,
     CostModel,
     Sample,
     available_models,
@@ -88,12 +91,12 @@ def test_virtual_loop_is_deterministic_and_detects_deadlock():
 
 
 # ---- cost models -------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["llama7b-a100", "llama13b-a100", "llama7b-a6000", "llama13b-a6000"])
-def test_gpu_cost_models_load_are_monotone_and_match_their_generator(name):
+@pytest.mark.parametrize("llm, gpu, tp", GENERATED)
+def test_gpu_cost_models_load_are_monotone_and_match_their_generator(llm, gpu, tp):
+    name = f"{llm}-{gpu}" + (f"-tp{tp}" if tp > 1 else "")
     m = load_model(name)
     assert m.source["gpu"] and m.source["model"] and m.source["base_s"]  # provenance is written down
-    llm, gpu = name.split("-")
-    assert m == roofline_model(llm, gpu)  # the file is what the documented roofline produces
+    assert m == roofline_model(llm, gpu, tp)  # the file is what the documented roofline produces
     assert m.prefill_s(256) < m.prefill_s(1024) < m.prefill_s(1024, 2048)
     assert m.decode_s(1, 100) < m.decode_s(8, 100) < m.decode_s(8, 8000)
     # sanity against the papers: batch-1 decode is well under the 40 ms/token target on an A100 ...
@@ -101,6 +104,23 @@ def test_gpu_cost_models_load_are_monotone_and_match_their_generator(name):
         assert 0.008 < m.decode_s(1, 1000) < 0.040
     # ... and the bigger model / slower GPU is slower
     assert load_model("llama13b-a6000").decode_s(8, 4000) > load_model("llama7b-a100").decode_s(8, 4000)
+
+
+def test_gqa_and_tensor_parallel_rooflines():
+    mha, gqa = LLMS["llama7b"], LLMS["mistral7b"]
+    assert gqa.kv_bytes_per_token * 4 == mha.kv_bytes_per_token  # 8 of 32 heads keep K/V
+    four = roofline_model("llama3-70b", "h100", 4)
+    assert four.name == "llama3-70b-h100-tp4" and four.max_model_len == 8192
+    # 70B does not fit one 80 GB GPU at fp16; four hold it with room for ~400k tokens of GQA KV
+    with pytest.raises(ValueError, match="does not fit"):
+        roofline_model("llama3-70b", "h100", 1)
+    assert 300_000 < four.kv_cache_tokens < 500_000
+    # tensor parallelism splits the weight stream but adds the all-reduces: a 70B decode on 4 GPUs is faster than
+    # streaming its weights from one GPU, slower than a quarter of that
+    one_gpu_weights_s = 2 * LLMS["llama3-70b"].params / GPUS["h100"].mem_bw
+    assert one_gpu_weights_s / 4 < four.decode_s(1, 1024) < one_gpu_weights_s
+    with pytest.raises(ValueError, match="GPU link"):
+        roofline_model("llama7b", "a6000", 2)  # no NVLink modelled for the A6000
 
 
 def test_cost_model_files_reject_bad_data(tmp_path):

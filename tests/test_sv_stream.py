@@ -32,10 +32,10 @@ class MidStreamFailingEngine(FakeEngine):
     fail_marker = "EXPLODE"
     fail_after = 5
 
-    async def generate_stream(self, sampling, context_id, parent_context_id=None):
+    async def generate_stream(self, sampling, context_id, parent_context_id=None, *, hint=None):
         doomed = self.fail_marker in self.decode(self.contexts.get(context_id, []))
         n = 0
-        async for chunk in super().generate_stream(sampling, context_id, parent_context_id):
+        async for chunk in super().generate_stream(sampling, context_id, parent_context_id, hint=hint):
             yield chunk
             n += 1
             if doomed and n == self.fail_after and chunk.finish_reason is None:
@@ -310,9 +310,9 @@ class DiesMidStream(UnreachableEngine):
 
     die_after = 6
 
-    async def generate_stream(self, sampling, context_id, parent_context_id=None):
+    async def generate_stream(self, sampling, context_id, parent_context_id=None, *, hint=None):
         n = 0
-        async for chunk in super().generate_stream(sampling, context_id, parent_context_id):
+        async for chunk in super().generate_stream(sampling, context_id, parent_context_id, hint=hint):
             yield chunk
             n += 1
             if n == self.die_after:

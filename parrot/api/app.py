@@ -47,7 +47,7 @@ def create_app(settings: ServerSettings | None = None, engines: Sequence[EngineC
         app.state.in_flight = InFlight(manager)  # per-tenant calls in flight (parrot.api.limits)
         app.state.completions = CompletionService(manager.dispatcher, max_n=settings.max_n,
                                                    max_attempts=settings.max_attempts, recent=manager.recent,
-                                                   metrics=manager.metrics)
+                                                   metrics=manager.metrics, predictors=manager.predictors)
         app.state.responses = ResponsesService(app.state.completions, ResponseStore(
             ttl_s=settings.responses_ttl_s, max_entries=settings.max_stored_responses, clock=manager.clock))
         app.state.started_at = time.time()

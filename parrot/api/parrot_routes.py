@@ -28,6 +28,7 @@ from parrot.common.errors import StepFailed
 from parrot.common.perf import LatencyTargets, PinnedTargets
 from parrot.common.sampling import SamplingParams
 from parrot.http_edge import EventStreamResponse
+from parrot.manager.graph import ToolDecl
 from parrot.manager.manager import Manager
 from parrot.manager.session import SessionState
 from parrot.manager.submit import PlaceholderSpec, SubmitSpec
@@ -73,7 +74,9 @@ async def delete_session(manager: ManagerDep, session: SessionDep) -> DeletedRes
 
 @router.post("/sessions/{sid}/variables", response_model=VariableResponse)
 async def create_variable(manager: ManagerDep, session: SessionDep, body: CreateVariableRequest) -> VariableResponse:
-    var = manager.create_variable(session, body.name, body.value)
+    tool = None if body.tool is None else ToolDecl(body.tool.name, tuple(body.tool.inputs),
+                                                   body.tool.expected_duration_s)
+    var = manager.create_variable(session, body.name, body.value, tool=tool)
     return VariableResponse(var_id=var.var_id, name=var.name, status=var.status.value, value=var.value)
 
 
@@ -157,7 +160,8 @@ def _limited_sampling(p: PlaceholderModel, limits: RequestLimits) -> dict | None
 
 @router.get("/stats")
 async def stats(manager: ManagerDep) -> dict:
-    """Manager counters: open sessions and prefix sharing (contexts created/freed, forks, tokens saved)."""
+    """Manager counters: open sessions, prefix sharing (contexts created/freed, forks, tokens saved), scheduler,
+    failover, and ``tools``: output-length prediction accuracy, tool durations, context pauses by handling."""
     return manager.stats()
 
 

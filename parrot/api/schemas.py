@@ -28,9 +28,22 @@ class DeletedResponse(BaseModel):
     deleted: bool
 
 
+class ToolDeclModel(_Strict):
+    """The variable is the output of a tool call the client makes on ``inputs`` (LAMPS): the generates producing
+    those inputs pause their contexts for it instead of freeing them."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$", description="the tool's name (its durations are learned "
+                      "per name)")
+    inputs: list[str] = Field(default_factory=list, max_length=64, description="var ids the tool reads")
+    expected_duration_s: float | None = Field(None, gt=0, description="the client's guess of the tool's duration, "
+                                              "used until the server has observed the tool")
+
+
 class CreateVariableRequest(_Strict):
     name: str | None = Field(None, max_length=MAX_NAME_CHARS)
     value: str | None = None
+    tool: ToolDeclModel | None = None
 
 
 class SetVariableRequest(_Strict):

@@ -48,6 +48,7 @@ from parrot.engine.interface import (
     GenerateChunk,
     GenerateResult,
     ModelInfo,
+    OpHint,
 )
 
 logger = logging.getLogger(__name__)
@@ -334,7 +335,7 @@ class BackendEngine(EngineClient):
 
     # ---- the context operations --------------------------------------------------------------------------------
     async def fill(self, token_ids: list[int], context_id: str, parent_context_id: str | None = None, *,
-                   prompt_logprobs: int | None = None) -> FillResult:
+                   prompt_logprobs: int | None = None, hint: OpHint | None = None) -> FillResult:
         if prompt_logprobs is not None:
             raise BadSamplingParams(f"prompt_logprobs is not supported by {self.kind} backends (engine "
                                     f"{self.name})", param="prompt_logprobs")
@@ -386,7 +387,7 @@ class BackendEngine(EngineClient):
             self._contexts.append(context_id, items)
 
     async def generate(self, sampling: SamplingParams, context_id: str,
-                       parent_context_id: str | None = None) -> GenerateResult:
+                       parent_context_id: str | None = None, *, hint: OpHint | None = None) -> GenerateResult:
         items, path, body = await self._start(sampling, context_id, parent_context_id, stream=False)
         op, started = self._op(len(items)), time.perf_counter()
         try:
@@ -402,8 +403,8 @@ class BackendEngine(EngineClient):
                               ttft_s=min(out.ttft_s, latency) if out.ttft_s is not None else latency,
                               latency_s=latency)
 
-    async def generate_stream(self, sampling: SamplingParams, context_id: str,
-                              parent_context_id: str | None = None) -> AsyncIterator[GenerateChunk]:
+    async def generate_stream(self, sampling: SamplingParams, context_id: str, parent_context_id: str | None = None,
+                              *, hint: OpHint | None = None) -> AsyncIterator[GenerateChunk]:
         items, path, body = await self._start(sampling, context_id, parent_context_id, stream=True)
         op, started = self._op(len(items)), time.perf_counter()
         first: float | None = None

@@ -12,6 +12,7 @@ from parrot.engine.config import ModelConfig
 from parrot.engine.cpu import CpuPath, probe_cpu
 from parrot.engine.engine import EngineThread, LLMEngine
 from parrot.engine.kv_cache.block_pool import BlockPool
+from parrot.engine.kv_cache.host_store import HostStore
 from parrot.engine.layers.linear import MatmulKernels
 from parrot.engine.local_client import LocalEngineClient
 from parrot.engine.model_files import resolve_model_path
@@ -19,6 +20,7 @@ from parrot.engine.numerics import KernelSupport, NumericsPlan, choose_path, mak
 from parrot.engine.runner import ModelRunner
 from parrot.engine.sampler import Sampler
 from parrot.engine.scheduler.scheduler import Scheduler
+from parrot.engine.scheduler.tool_handling import tool_policy
 from parrot.engine.settings import EngineSettings
 
 log = logging.getLogger(__name__)
@@ -81,11 +83,12 @@ def _assemble(settings: EngineSettings, model, tokenizer, thread: EngineThread) 
     max_len = min(settings.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     bs = settings.block_size
     kv_dtype = _DTYPES[plan.kv_dtype]
+    block_bytes = ModelRunner.kv_bytes_per_block(cfg, bs, torch.tensor([], dtype=kv_dtype).element_size())
     if settings.kv_cache_tokens is not None:
         num_blocks = -(-settings.kv_cache_tokens // bs)
     else:
-        elem = torch.tensor([], dtype=kv_dtype).element_size()
-        num_blocks = max(1, settings.kv_cache_bytes // ModelRunner.kv_bytes_per_block(cfg, bs, elem))
+        num_blocks = max(1, settings.kv_cache_bytes // block_bytes)
+    host_slots = settings.swap_space_bytes // block_bytes
     pool = BlockPool(num_blocks, bs, enable_prefix_cache=settings.enable_prefix_cache)
     sampler = Sampler(tokenizer.eos_token_ids, base_seed=settings.seed)
     ops = native if plan.native_ops else None
@@ -101,13 +104,16 @@ def _assemble(settings: EngineSettings, model, tokenizer, thread: EngineThread) 
     prefill = ops.causal_prefill if prefill_here else None
     runner = ModelRunner(model, num_blocks, bs, sampler, shared_prefix_attention=settings.shared_prefix_attention,
                          decode_kernel=None if ops is None else ops.paged_decode, prefill_kernel=prefill,
-                         kv_dtype=kv_dtype)
+                         kv_dtype=kv_dtype, host_blocks=host_slots)
     scheduler = Scheduler(pool, settings.max_num_seqs, settings.max_batch_tokens, local_policy=settings.local_policy,
-                          priority_groups=settings.priority_groups)
+                          priority_groups=settings.priority_groups, tool_policy=tool_policy(settings.tool_policy),
+                          host=HostStore(host_slots) if host_slots else None)
     engine = LLMEngine(name=settings.name, model_name=model_name, runner=runner, pool=pool, scheduler=scheduler,
                        tokenizer=tokenizer, max_model_len=max_len, thread=thread, numerics=plan.to_dict())
-    log.info("engine %s: model %s, KV pool %d blocks x %d tokens (%s), window %d", settings.name, model_name,
-             num_blocks, bs, plan.kv_dtype, max_len)
+    engine.tool_pause_ttl_s = settings.tool_pause_ttl_s
+    log.info("engine %s: model %s, KV pool %d blocks x %d tokens (%s), window %d, host swap space %d blocks, "
+             "tool policy %s", settings.name, model_name, num_blocks, bs, plan.kv_dtype, max_len, host_slots,
+             settings.tool_policy)
     return engine
 
 

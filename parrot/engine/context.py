@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from parrot.common.sampling import FinishReason, PositionLogprobs, SamplingParams, TokenLogprob
-from parrot.engine.interface import GenerateChunk
+from parrot.engine.interface import GenerateChunk, OpHint
 from parrot.engine.kv_cache.block_pool import chain_hashes
 from parrot.engine.kv_cache.manager import ContextKV
 
@@ -122,6 +122,8 @@ class Context:
     # the GENERATE that completes that turn queues by it, so a request's decode is not served after every fill
     # that arrived while its own prompt was being prefilled (fair service: early requests finish early).
     turn_arrival: float | None = None
+    # the Handling predicted for a tool call after this context's last generate (LAMPS), used if it is paused
+    tool_handling: Any = None
     # chain hashes of the full token blocks (a function of ``tokens`` only; extended lazily, see block_hashes)
     _hashes: list[int] = field(default_factory=list)
     # KV state: read-only here, rebound only by parrot.engine.kv_cache.manager (immutable values: a tuple, ints)
@@ -173,6 +175,9 @@ class Op:
     seq_no: int = field(default_factory=lambda: next(_op_seq))
     # FCFS key when it differs from ``arrival``: a GENERATE's turn arrival (Context.turn_arrival)
     turn_arrival: float | None = None
+    hint: OpHint | None = None  # GENERATE: the manager's predictions (output length, a tool call after it)
+    # GENERATE under a "predicted" tool policy: the Handling chosen at admission from the hint, used at the pause
+    handling: Any = None
     _status: OpStatus = field(default=OpStatus.QUEUED, init=False)
     # filled in while running
     prompt_len: int = 0  # context length when the op started

@@ -16,6 +16,12 @@ Two owners exist: :class:`~parrot.engine.engine.LLMEngine` (a thread, wall clock
 An op is QUEUED behind its context's active op, then WAITING / RUNNING in the scheduler, then FINISHED or
 FAILED; its result leaves through its callbacks, which settle the caller's future (``concurrent.futures`` or
 asyncio: both have done / set_result / set_exception).
+
+Tool calls (LAMPS): ``pause_context`` hands a context over while its tool runs; the scheduler keeps, swaps or
+drops its KV (:mod:`parrot.engine.kv_cache.tool_pauses`). The core resumes it -- drops the pause record, and frees
+the paused context unless the op is on it -- when an op arrives on it, a context forks from it, or a context's
+computed prefix reaches its last full block (``KVManager.covered``, checked after each plan and each applied
+step); a pause past its TTL is freed (checked at each command and plan).
 """
 
 from __future__ import annotations
@@ -40,8 +46,10 @@ from parrot.common.sampling import MAX_LOGPROBS, FinishReason, PositionLogprobs,
 from parrot.common.step_cost import StepStats
 from parrot.engine.guided import GrammarCompiler
 from parrot.engine.context import Context, LogprobLabels, Op, OpKind, OpStatus, RawLogprobs
-from parrot.engine.interface import EngineCapabilities, EngineStatus, FillResult, GenerateChunk, GenerateResult
+from parrot.engine.interface import (EngineCapabilities, EngineStatus, FillResult, GenerateChunk, GenerateResult,
+                                    OpHint, PauseResult, ToolHint)
 from parrot.engine.kv_cache.block_pool import BlockPool
+from parrot.engine.kv_cache.tool_pauses import EngineToolCosts, pause_ttl
 from parrot.engine.kv_cache.prompt_logprobs import (DEFAULT_CAPACITY_BLOCKS, PromptLogprobCache, is_known, match_limit,
                                                     wants_prompt_logprobs)
 from parrot.engine.scheduler.scheduler import BatchPlan, Scheduler, TooLargeForPool
@@ -91,12 +99,16 @@ class EngineCore(abc.ABC):
 
     def __init__(self, *, name: str, model_name: str, runner: StepRunner, pool: BlockPool, scheduler: Scheduler,
                  tokenizer, max_model_len: int, clock: Callable[[], float], cached_status: bool,
-                 numerics: dict | None = None, computes_logits: bool = True) -> None:
+                 numerics: dict | None = None, computes_logits: bool = True,
+                 tool_pause_ttl_s: float | None = None) -> None:
         """``cached_status``: callers run on other threads than the owner, so :meth:`status` answers the snapshot
         the owner takes after each turn and each status-changing command; otherwise it snapshots on call.
         ``numerics``: how the runner computes (NumericsPlan.to_dict()), reported in status and model info.
         ``pool`` must be the one ``scheduler`` plans over (its KV manager's). ``computes_logits``: False for a runner
-        without logits (the simulator's): then a request for logprobs raises BadSamplingParams naming the field."""
+        without logits (the simulator's): then a request for logprobs raises BadSamplingParams naming the field.
+        ``tool_pause_ttl_s``: how long a paused context waits to be resumed (None: from its tool's expected
+        duration, see :func:`~parrot.engine.kv_cache.tool_pauses.pause_ttl`). The runner may report
+        ``kv_bytes_per_token``, ``copy_bytes_per_s`` (measured) and ``default_copy_bytes_per_s`` for swap costs."""
         if scheduler.kv.pool is not pool:
             raise ValueError("pool: the scheduler plans over another block pool")
         self.name = name
@@ -127,6 +139,12 @@ class EngineCore(abc.ABC):
         # plan's batch counts and start time, recorded when the plan is applied
         self.step_stats = StepStats()
         self._plan_started: tuple[float, int, int, int] | None = None
+        self.tool_pause_ttl_s = tool_pause_ttl_s
+        self.scheduler.costs = EngineToolCosts(
+            self.step_stats, lambda: (len(scheduler.running), sum(len(o.ctx.tokens) for o in scheduler.running)),
+            int(getattr(runner, "kv_bytes_per_token", 0)) or 1, lambda: getattr(runner, "copy_bytes_per_s", None),
+            float(getattr(runner, "default_copy_bytes_per_s", 0.0)) or 1e9)
+        self.num_generates_finished = 0
         self._cached_status = cached_status
         # what placement may count on (parrot.engine.interface.EngineCapabilities): fixed once the engine is built
         self._capabilities = EngineCapabilities(
@@ -150,7 +168,7 @@ class EngineCore(abc.ABC):
 
     # ---- public API (any caller of the owner) ----------------------------------------------------------------
     def fill(self, token_ids: list[int], context_id: str, parent_context_id: str | None = None, *,
-             prompt_logprobs: int | None = None) -> ResultFuture:
+             prompt_logprobs: int | None = None, hint: OpHint | None = None) -> ResultFuture:
         """See EngineClient.fill; raises BadSamplingParams for a ``prompt_logprobs`` outside [0, MAX_LOGPROBS]."""
         toks = self.check_tokens(token_ids)
         if prompt_logprobs is not None:
@@ -162,12 +180,13 @@ class EngineCore(abc.ABC):
 
         def cmd(fut: ResultFuture) -> None:
             ctx = self._get_or_fork(context_id, parent_context_id)
-            self._enqueue(self._new_op(fut, OpKind.FILL, ctx, new_tokens=toks, prompt_logprobs=prompt_logprobs))
+            self._enqueue(self._new_op(fut, OpKind.FILL, ctx, new_tokens=toks, prompt_logprobs=prompt_logprobs,
+                                       hint=hint))
 
         return self._command(cmd)
 
     def generate(self, sampling: SamplingParams, context_id: str, parent_context_id: str | None = None,
-                 on_chunk: ChunkCallback | None = None) -> ResultFuture:
+                 on_chunk: ChunkCallback | None = None, *, hint: OpHint | None = None) -> ResultFuture:
         if sampling.logprobs is not None:
             self._check_logits("logprobs")
         if sampling.constraint is not None:
@@ -175,7 +194,7 @@ class EngineCore(abc.ABC):
 
         def cmd(fut: ResultFuture) -> None:
             ctx = self._get_or_fork(context_id, parent_context_id)
-            self._enqueue(self._new_op(fut, OpKind.GENERATE, ctx, sampling=sampling, on_chunk=on_chunk))
+            self._enqueue(self._new_op(fut, OpKind.GENERATE, ctx, sampling=sampling, on_chunk=on_chunk, hint=hint))
 
         return self._command(cmd)
 
@@ -184,6 +203,7 @@ class EngineCore(abc.ABC):
             ctx = self.contexts.pop(context_id, None)
             if ctx is None:
                 raise UnknownContext(f"unknown context {context_id!r}", param="context_id")
+            self.scheduler.unpause(context_id, self.clock(), reason="freed")
             ctx.freed = True
             for op in ([ctx.active] if ctx.active else []) + list(ctx.pending):
                 self.scheduler.remove(op)
@@ -197,6 +217,26 @@ class EngineCore(abc.ABC):
             ctx.last_hidden = None
             self.refresh_status()  # callers read status right after a free
             _settle(fut, None)
+
+        return self._command(cmd)
+
+    def pause_context(self, context_id: str, tool: ToolHint) -> ResultFuture:
+        """See EngineClient.pause_context: the engine owns ``context_id`` from now on. A repeated pause answers the
+        first one's record; a context with queued or running ops cannot be paused (InvalidRequestError)."""
+        def cmd(fut: ResultFuture) -> None:
+            ctx = self.contexts.get(context_id)
+            if ctx is None:
+                raise UnknownContext(f"unknown context {context_id!r}", param="context_id")
+            p = self.scheduler.pauses.get(context_id)
+            if p is None:
+                if ctx.active is not None or ctx.pending:
+                    raise InvalidRequestError(f"context {context_id!r} has ops queued or running; pause it after "
+                                              "they finish", param="context_id")
+                p = self.scheduler.pause(ctx, tool, now=self.clock(), ttl_s=pause_ttl(tool, self.tool_pause_ttl_s),
+                                         predicted=ctx.tool_handling)
+                ctx.tool_handling = None
+                self.refresh_status()
+            _settle(fut, PauseResult(context_id, p.handling.value, p.num_tokens, p.num_blocks))
 
         return self._command(cmd)
 
@@ -235,6 +275,7 @@ class EngineCore(abc.ABC):
 
         def guarded() -> None:
             try:
+                self.expire_pauses()
                 body(fut)
             except ParrotError as e:
                 if not fut.done():
@@ -277,6 +318,7 @@ class EngineCore(abc.ABC):
                 raise ContextExists(
                     f"context {context_id!r} exists with parent {ctx.parent_id!r}, not {parent_id!r}", param="context_id"
                 )
+            self._resume(context_id, free=False)  # an op on a paused context: it is the caller's again
             return ctx
         if parent_id is None:
             ctx = Context(context_id, None, last_used=self.clock())
@@ -285,8 +327,43 @@ class EngineCore(abc.ABC):
             if parent is None:
                 raise UnknownContext(f"unknown parent context {parent_id!r}", param="parent_context_id")
             ctx = self._fork(context_id, parent)
+            self._resume(parent_id, free=True)  # a fork of a paused context continues it
         self.contexts[context_id] = ctx
         return ctx
+
+    # ---- tool pauses (owner) -------------------------------------------------------------------------------------
+    def _resume(self, context_id: str, *, free: bool) -> None:
+        """Drop the pause of ``context_id`` if it is paused; ``free``: also free the paused context (it was the
+        engine's since the pause; its shared and cached blocks stay with their other holders)."""
+        if self.scheduler.unpause(context_id, self.clock(), reason="resumed") is None or not free:
+            return
+        self._drop_paused(context_id)
+
+    def _drop_paused(self, context_id: str) -> None:
+        ctx = self.contexts.pop(context_id, None)
+        if ctx is not None:
+            ctx.freed = True
+            self.scheduler.forget(ctx)
+            self.kv.free(ctx)
+            ctx.last_hidden = None
+
+    def _resume_covered(self) -> None:
+        for ctx, paused_id in self.kv.covered():
+            if paused_id != ctx.id and self.scheduler.pauses.get(paused_id) is not None:
+                self._resume(paused_id, free=True)
+
+    def expire_pauses(self) -> int:
+        """Owner: free the paused contexts whose TTL has passed; returns how many."""
+        pauses = self.scheduler.pauses
+        if not len(pauses):
+            return 0
+        now = self.clock()
+        expired = pauses.expired(now)
+        for p in expired:
+            log.info("paused context %s (tool %r) expired after %.1f s", p.ctx.id, p.tool.name, now - p.started)
+            self.scheduler.unpause(p.ctx.id, now, reason="expired")
+            self._drop_paused(p.ctx.id)
+        return len(expired)
 
     def _fork(self, context_id: str, parent: Context) -> Context:
         """Child shares the parent's full computed blocks (incref); the partial tail is recomputed by the child."""
@@ -382,6 +459,7 @@ class EngineCore(abc.ABC):
         """The scheduler's plan for the next iteration; None if nothing can run now (no work, or waiting work
         that cannot be admitted until a command changes something). An op whose context needs more KV than the
         whole pool fails here with ContextLengthExceeded."""
+        self.expire_pauses()
         while True:
             try:
                 plan = self.scheduler.schedule()
@@ -389,6 +467,7 @@ class EngineCore(abc.ABC):
                 self.scheduler.remove(e.op)
                 self._complete(e.op, ContextLengthExceeded(str(e), param="kv_cache"))
                 continue
+            self._resume_covered()
             if not plan.chunks:
                 return None
             rows, ctx_tokens, prefill = plan_counts(plan)
@@ -404,9 +483,11 @@ class EngineCore(abc.ABC):
             t0, rows, ctx_tokens, prefill = self._plan_started
             self._plan_started = None
             self.step_stats.add(rows, ctx_tokens, prefill, self.clock() - t0)
+        self.kv.copies_done()
         for ctx, n in out.computed:
             self.kv.mark_computed(ctx, n)
             self.num_tokens_computed += n
+        self._resume_covered()
         for ctx, h in out.last_hidden:
             ctx.last_hidden = h
         for op, pos, raw in out.prompt_logprobs:
@@ -470,7 +551,17 @@ class EngineCore(abc.ABC):
         if finish is not None:
             op.finish_reason = finish
             self.scheduler.remove(op)
+            self._learn_output(op)
             self._complete(op, None)
+
+    def _learn_output(self, op: Op) -> None:
+        """A finished generate: its length feeds the mean output length (LAMPS' fallback prediction); its
+        predicted tool handling waits on the context for the pause."""
+        self.num_generates_finished += 1
+        w = max(0.01, 1.0 / self.num_generates_finished)  # a running mean, then an EMA over ~100 generates
+        sch = self.scheduler
+        sch.mean_output_tokens += w * (len(op.output_ids) - sch.mean_output_tokens)
+        op.ctx.tool_handling = op.handling
 
     def fail_all(self, err: ParrotError) -> None:
         """Fail every scheduled op (after an internal error in a step) and drop their contexts' KV."""
@@ -516,6 +607,14 @@ class EngineCore(abc.ABC):
         if self._cached_status:
             self._status = self.snapshot()
 
+    def _host_status(self) -> dict:
+        """The swap space: blocks held / slots, blocks ever copied in, served back, evicted."""
+        host = self.kv.host
+        if host is None:
+            return {"blocks": 0, "capacity": 0}
+        return {"blocks": host.num_used, "capacity": host.num_slots, "stored": host.num_stored,
+                "hits": host.num_hits, "evicted": host.num_evicted}
+
     def snapshot(self) -> EngineStatus:
         sch = self.scheduler
         return EngineStatus(
@@ -536,6 +635,9 @@ class EngineCore(abc.ABC):
                    # eviction notices for the global scheduler's prefix tree (Preble §4.3; parrot.manager.policies.e2)
                    "kv_evicted": {"seq": self.pool.num_evicted, "hashes": list(self.pool.evicted_log)},
                    "token_cap": sch.token_cap, "step_stats": self.step_stats.to_wire(),
+                   "tool_policy": sch.tool_policy.name if sch.tool_policy is not None else None,
+                   "local_policy": sch.local_policy,
+                   "tool_pauses": sch.pauses.to_wire(), "host_store": self._host_status(),
                    "capabilities": dict(self._capabilities),
                    **({"numerics": self.numerics} if self.numerics else {})},
         )

@@ -25,6 +25,7 @@ from parrot.engine.scheduler.scheduler import Scheduler
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+PAUSE_POLL_S = 1.0  # how often an idle engine checks its paused contexts' TTLs
 
 
 class EngineThread:
@@ -107,14 +108,17 @@ class LLMEngine(EngineCore):
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                timeout = None if not self.scheduler.has_work() else 0.0
+                # idle: block on the next command, waking every PAUSE_POLL_S while paused contexts wait for their
+                # tools, so a pause whose TTL passes is freed even when nothing else arrives
+                timeout = 0.0 if self.scheduler.has_work() else PAUSE_POLL_S if len(self.scheduler.pauses) else None
                 try:
-                    cmd = self._cmds.get(timeout=timeout) if timeout is None else self._cmds.get_nowait()
+                    cmd = self._cmds.get(timeout=timeout) if timeout != 0.0 else self._cmds.get_nowait()
                     cmd()
                     while True:
                         self._cmds.get_nowait()()
                 except queue.Empty:
                     pass
+                self.expire_pauses()
                 if self.scheduler.has_work():
                     self.step()
                 self.refresh_status()

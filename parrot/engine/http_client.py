@@ -10,7 +10,8 @@ The network path is where engines fail, so each call states what may be repeated
     an HTTP error answer (4xx / 5xx body)      | its typed error          | its typed error
 
 Idempotent calls: status, model_info, tokenize, detokenize, token_cap, free_context (a repeated free of a context
-the first attempt freed answers UnknownContext, which every caller takes as "gone"), and fill: each fill carries an
+the first attempt freed answers UnknownContext, which every caller takes as "gone"), pause_context (a repeated pause
+answers the first one's record), and fill: each fill carries an
 ``op_id`` (fresh per call, the same on its retries) and the engine answers a repeated op id with the first
 attempt's result instead of appending the tokens again (:mod:`parrot.engine.op_memo`), so a fill whose answer was
 lost on a reset connection after the engine applied it is never applied twice.
@@ -33,10 +34,12 @@ from dataclasses import dataclass
 import httpx
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_random_exponential
 
-from parrot.common.errors import EngineError, EngineTimeout, EngineUnavailable, NotFoundError, error_from_body
+from parrot.common.errors import (EngineError, EngineTimeout, EngineUnavailable, NotFoundError, UnknownContext,
+                                  error_from_body)
 from parrot.common.sampling import SamplingParams
 from parrot.engine import wire
-from parrot.engine.interface import EngineClient, EngineStatus, FillResult, GenerateChunk, GenerateResult, ModelInfo
+from parrot.engine.interface import (EngineClient, EngineStatus, FillResult, GenerateChunk, GenerateResult, ModelInfo,
+                                     OpHint, PauseResult, ToolHint)
 
 log = logging.getLogger(__name__)
 
@@ -124,25 +127,33 @@ class HTTPEngineClient(EngineClient):
 
     # ---- EngineClient -----------------------------------------------------------------------------------------
     async def fill(self, token_ids: list[int], context_id: str, parent_context_id: str | None = None, *,
-                   prompt_logprobs: int | None = None) -> FillResult:
+                   prompt_logprobs: int | None = None, hint: OpHint | None = None) -> FillResult:
         body = {"token_ids": list(token_ids), "context_id": context_id, "parent_context_id": parent_context_id,
                 "op_id": uuid.uuid4().hex}  # the same on every retry of this fill: the engine applies it once
         if prompt_logprobs is not None:  # absent when off: an engine server without the field still serves fills
             body["prompt_logprobs"] = prompt_logprobs
+        if hint is not None:
+            body["hint"] = hint.to_wire()
         return wire.fill_result(await self._call("POST", "/engine/v1/fill", body, timeout=self._op))
 
     async def generate(
-        self, sampling: SamplingParams, context_id: str, parent_context_id: str | None = None
+        self, sampling: SamplingParams, context_id: str, parent_context_id: str | None = None, *,
+        hint: OpHint | None = None,
     ) -> GenerateResult:
         body = {"sampling": sampling.to_dict(), "context_id": context_id, "parent_context_id": parent_context_id}
+        if hint is not None:  # absent without one: an engine server without the field still serves generates
+            body["hint"] = hint.to_wire()
         return wire.generate_result(await self._call("POST", "/engine/v1/generate", body, idempotent=False,
                                                      timeout=self._op))
 
     async def generate_stream(
-        self, sampling: SamplingParams, context_id: str, parent_context_id: str | None = None
+        self, sampling: SamplingParams, context_id: str, parent_context_id: str | None = None, *,
+        hint: OpHint | None = None,
     ) -> AsyncIterator[GenerateChunk]:
         body = {"sampling": sampling.to_dict(), "context_id": context_id, "parent_context_id": parent_context_id,
                 "stream": True}
+        if hint is not None:
+            body["hint"] = hint.to_wire()
         path = "/engine/v1/generate"
         try:
             async for attempt in self._retrying(path, idempotent=False):  # connecting only: nothing was sent yet
@@ -171,6 +182,19 @@ class HTTPEngineClient(EngineClient):
 
     async def free_context(self, context_id: str) -> None:
         await self._call("POST", "/engine/v1/free_context", {"context_id": context_id})
+
+    async def pause_context(self, context_id: str, tool: ToolHint) -> PauseResult | None:
+        """Retried like free (a repeat answers the first pause's record, or UnknownContext once it was resumed or
+        expired). An engine server without the endpoint (a 404 that is not UnknownContext) gets a free instead."""
+        try:
+            d = await self._call("POST", "/engine/v1/pause_context", {"context_id": context_id,
+                                                                      "tool": tool.to_wire()})
+        except NotFoundError as e:
+            if isinstance(e, UnknownContext):
+                raise
+            await self.free_context(context_id)
+            return None
+        return PauseResult.from_wire(d) if d.get("handling") else None
 
     async def status(self) -> EngineStatus:
         return wire.engine_status(await self._call("GET", "/engine/v1/status"))

@@ -7,12 +7,16 @@ Contexts form a tree. ``fill(tokens, ctx, parent)`` creates ``ctx`` as a child o
 not exist yet (the child starts from the parent's KV, shared, not copied) and appends ``tokens`` to it;
 filling an existing context appends. ``generate(sampling, ctx, parent)`` does the same for generated tokens:
 the generated tokens become part of ``ctx``'s KV, so a later fill continues after them.
+
+Tool calls (LAMPS): a generate may carry an :class:`OpHint` (predicted output length, an expected tool call);
+``pause_context(ctx, tool)`` hands ``ctx`` to the engine while the tool runs instead of freeing it, and the engine
+resumes it when a later context continues it (see :meth:`EngineClient.pause_context`).
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 from parrot.common.sampling import FinishReason, PositionLogprobs, SamplingParams
@@ -52,6 +56,60 @@ class GenerateResult:
     # with sampling.constraint: whether the output is complete under it (False: cut by max_tokens, a stop string
     # or the window, so it would not parse); None without a constraint
     constraint_complete: bool | None = None
+
+
+@dataclass(frozen=True)
+class ToolHint:
+    """A tool call expected after a generate (LAMPS §4.2): its name ("" when unknown) and predicted duration."""
+
+    name: str
+    expected_duration_s: float | None = None
+
+    def to_wire(self) -> dict:
+        return {"name": self.name, "expected_duration_s": self.expected_duration_s}
+
+    @classmethod
+    def from_wire(cls, d: Mapping) -> "ToolHint":
+        dur = d.get("expected_duration_s")
+        return cls(str(d.get("name") or ""), float(dur) if dur is not None else None)
+
+
+@dataclass(frozen=True)
+class OpHint:
+    """Predictions the manager attaches to a generate (LAMPS 4.2); engines that cannot use them ignore them."""
+
+    predicted_output_tokens: int | None = None
+    tool: ToolHint | None = None  # a tool call is expected right after this generate
+
+    def to_wire(self) -> dict:
+        return {"predicted_output_tokens": self.predicted_output_tokens,
+                "tool": self.tool.to_wire() if self.tool is not None else None}
+
+    @classmethod
+    def from_wire(cls, d: Mapping | None) -> "OpHint | None":
+        if not d:
+            return None
+        out = d.get("predicted_output_tokens")
+        tool = d.get("tool")
+        return cls(int(out) if out is not None else None, ToolHint.from_wire(tool) if tool else None)
+
+
+@dataclass(frozen=True)
+class PauseResult:
+    """How an engine holds a context paused for a tool call (see :meth:`EngineClient.pause_context`)."""
+
+    context_id: str
+    handling: str  # Handling.value: "preserve" | "discard" | "swap"
+    num_tokens: int  # context length at the pause
+    num_blocks: int  # blocks kept (preserve) / freed (discard) / copied to the host store (swap)
+
+    def to_wire(self) -> dict:
+        return {"context_id": self.context_id, "handling": self.handling, "num_tokens": self.num_tokens,
+                "num_blocks": self.num_blocks}
+
+    @classmethod
+    def from_wire(cls, d: Mapping) -> "PauseResult":
+        return cls(str(d["context_id"]), str(d["handling"]), int(d["num_tokens"]), int(d["num_blocks"]))
 
 
 @dataclass(frozen=True)
@@ -116,28 +174,42 @@ class EngineClient(abc.ABC):
 
     @abc.abstractmethod
     async def fill(self, token_ids: list[int], context_id: str, parent_context_id: str | None = None, *,
-                   prompt_logprobs: int | None = None) -> FillResult:
+                   prompt_logprobs: int | None = None, hint: OpHint | None = None) -> FillResult:
         """Append ``token_ids`` to ``context_id`` (created as a fork of ``parent_context_id`` if new).
 
         ``prompt_logprobs=k`` (0..MAX_LOGPROBS) also reports, per filled token, its logprob given everything
         before it and the ``k`` most likely tokens there (``FillResult.prompt_logprobs``); an engine that cannot
-        raises BadSamplingParams naming ``prompt_logprobs``."""
+        raises BadSamplingParams naming ``prompt_logprobs``. ``hint``: the predictions of the generate this prompt
+        is filled for (an engine ranking by LAMPS' memory over time admits the fill as that whole request
+        segment); engines that cannot use it ignore it."""
 
     @abc.abstractmethod
     async def generate(
-        self, sampling: SamplingParams, context_id: str, parent_context_id: str | None = None
+        self, sampling: SamplingParams, context_id: str, parent_context_id: str | None = None, *,
+        hint: OpHint | None = None,
     ) -> GenerateResult:
-        """Decode from ``context_id`` until a stop condition; generated tokens are appended to the context."""
+        """Decode from ``context_id`` until a stop condition; generated tokens are appended to the context.
+
+        ``hint``: the manager's predictions (output length, an expected tool call); engines may ignore it."""
 
     @abc.abstractmethod
     def generate_stream(
-        self, sampling: SamplingParams, context_id: str, parent_context_id: str | None = None
+        self, sampling: SamplingParams, context_id: str, parent_context_id: str | None = None, *,
+        hint: OpHint | None = None,
     ) -> AsyncIterator[GenerateChunk]:
         """Like :meth:`generate`, yielding increments; the last chunk carries ``finish_reason``."""
 
     @abc.abstractmethod
     async def free_context(self, context_id: str) -> None:
         """Drop ``context_id``. Children keep their (shared) KV; freeing an unknown id raises UnknownContext."""
+
+    async def pause_context(self, context_id: str, tool: ToolHint) -> PauseResult | None:
+        """Hand ``context_id`` to the engine while ``tool`` runs (instead of :meth:`free_context`): the engine
+        keeps, swaps or discards its KV and resumes it when a later context continues it (prefix match, fork
+        or an op on it); the caller no longer owns the context. Unknown id -> UnknownContext. This default
+        (engines without tool handling) frees the context and returns None."""
+        await self.free_context(context_id)
+        return None
 
     @abc.abstractmethod
     async def status(self) -> EngineStatus:

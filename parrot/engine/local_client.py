@@ -19,6 +19,9 @@ from parrot.engine.interface import (
     GenerateChunk,
     GenerateResult,
     ModelInfo,
+    OpHint,
+    PauseResult,
+    ToolHint,
 )
 
 
@@ -48,17 +51,19 @@ class LocalEngineClient(EngineClient):
         )
 
     async def fill(self, token_ids: list[int], context_id: str, parent_context_id: str | None = None, *,
-                   prompt_logprobs: int | None = None) -> FillResult:
+                   prompt_logprobs: int | None = None, hint: OpHint | None = None) -> FillResult:
         return await asyncio.wrap_future(self.engine.fill(token_ids, context_id, parent_context_id,
-                                                          prompt_logprobs=prompt_logprobs))
+                                                          prompt_logprobs=prompt_logprobs, hint=hint))
 
     async def generate(
-        self, sampling: SamplingParams, context_id: str, parent_context_id: str | None = None
+        self, sampling: SamplingParams, context_id: str, parent_context_id: str | None = None, *,
+        hint: OpHint | None = None,
     ) -> GenerateResult:
-        return await asyncio.wrap_future(self.engine.generate(sampling, context_id, parent_context_id))
+        return await asyncio.wrap_future(self.engine.generate(sampling, context_id, parent_context_id, hint=hint))
 
     async def generate_stream(
-        self, sampling: SamplingParams, context_id: str, parent_context_id: str | None = None
+        self, sampling: SamplingParams, context_id: str, parent_context_id: str | None = None, *,
+        hint: OpHint | None = None,
     ) -> AsyncIterator[GenerateChunk]:
         """Increments of one generation, handed over at most every ``stream_interval_s`` of the engine's clock
         (the first one and the last one at once): the chunks of the tokens decoded meanwhile arrive merged (their
@@ -90,7 +95,8 @@ class LocalEngineClient(EngineClient):
                 buffer.clear()
             return out
 
-        fut = asyncio.wrap_future(self.engine.generate(sampling, context_id, parent_context_id, on_chunk=on_chunk))
+        fut = asyncio.wrap_future(self.engine.generate(sampling, context_id, parent_context_id, on_chunk=on_chunk,
+                                                       hint=hint))
         fut.add_done_callback(lambda _: wake.set())  # the op is over: no chunk joins the buffer after this
         finished = False
         try:
@@ -122,6 +128,9 @@ class LocalEngineClient(EngineClient):
 
     async def free_context(self, context_id: str) -> None:
         await asyncio.wrap_future(self.engine.free_context(context_id))
+
+    async def pause_context(self, context_id: str, tool: ToolHint) -> PauseResult | None:
+        return await asyncio.wrap_future(self.engine.pause_context(context_id, tool))
 
     async def status(self) -> EngineStatus:
         return self.engine.status()

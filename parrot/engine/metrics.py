@@ -38,6 +38,10 @@ _GAUGES = (
     ("parrot_engine_kv_blocks_cached", "unreferenced KV blocks kept for the prefix cache (evictable)",
      lambda s: s.kv_blocks_cached),
     ("parrot_engine_contexts", "live contexts on the engine", lambda s: s.num_contexts),
+    ("parrot_engine_paused_contexts", "contexts paused while their request waits for a tool call (LAMPS)",
+     lambda s: _extra(s, "tool_pauses", "paused")),
+    ("parrot_engine_host_kv_blocks", "KV blocks of paused contexts swapped out to the host store",
+     lambda s: _extra(s, "host_store", "blocks")),
     ("parrot_engine_prefix_cache_hit_rate", "prompt tokens served from the prefix cache / prompt tokens filled, "
      "since the engine started (0 before any fill)", lambda s: _hit_rate(s)),
 )
@@ -55,8 +59,23 @@ _COUNTERS = (
      "forked contexts read once per step)", lambda s: s.extra.get("shared_prefix_decode_rows")),
     ("parrot_engine_kv_blocks_evicted", "cached KV blocks evicted", lambda s: s.extra.get("kv_blocks_evicted")),
     ("parrot_engine_preemptions", "running ops preempted for memory", lambda s: s.num_preempted_total),
+    ("parrot_engine_tool_pauses_resumed", "paused contexts resumed by the request's next call",
+     lambda s: _extra(s, "tool_pauses", "resumed")),
+    ("parrot_engine_tool_pauses_expired", "paused contexts freed because their TTL passed",
+     lambda s: _extra(s, "tool_pauses", "expired")),
+    ("parrot_engine_tool_pauses_demoted", "preserved pauses demoted to swap or discard under KV pressure",
+     lambda s: _extra(s, "tool_pauses", "demoted")),
+    ("parrot_engine_host_kv_blocks_restored", "KV blocks copied back from the host store on resume",
+     lambda s: _extra(s, "host_store", "hits")),
 )
-NAMES = tuple(n for n, _, _ in _GAUGES) + tuple(n for n, _, _ in _COUNTERS)
+PAUSES = "parrot_engine_tool_pauses"  # counter by handling (preserve / discard / swap), labels + ``handling``
+NAMES = tuple(n for n, _, _ in _GAUGES) + tuple(n for n, _, _ in _COUNTERS) + (PAUSES,)
+
+
+def _extra(s: EngineStatus, group: str, key: str) -> int | float | None:
+    """``s.extra[group][key]`` when the engine reports it (engines without tool handling do not)."""
+    value = s.extra.get(group, {}).get(key) if isinstance(s.extra.get(group), dict) else None
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _hit_rate(s: EngineStatus) -> float:
@@ -72,7 +91,9 @@ def status_families(statuses: Sequence[EngineStatus]) -> list[Metric]:
     for name, doc, read in _GAUGES:
         fam = GaugeMetricFamily(name, doc, labels=LABELS)
         for s in statuses:
-            fam.add_metric([s.name, s.model], float(read(s)))
+            value = read(s)
+            if value is not None:
+                fam.add_metric([s.name, s.model], float(value))
         out.append(fam)
     for name, doc, read in _COUNTERS:
         fam = CounterMetricFamily(name, doc, labels=LABELS)
@@ -81,6 +102,13 @@ def status_families(statuses: Sequence[EngineStatus]) -> list[Metric]:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 fam.add_metric([s.name, s.model], float(value))
         out.append(fam)
+    pauses = CounterMetricFamily(PAUSES, "contexts paused for a tool call, by how their KV was handled (preserve / "
+                                 "discard / swap, LAMPS 4.2)", labels=(*LABELS, "handling"))
+    for s in statuses:
+        by = s.extra.get("tool_pauses", {}).get("by_handling") if isinstance(s.extra.get("tool_pauses"), dict) else None
+        for handling, n in sorted((by or {}).items()):
+            pauses.add_metric([s.name, s.model, str(handling)], float(n))
+    out.append(pauses)
     return out
 
 

@@ -11,30 +11,41 @@ Logits: by default only for the rows that sample (the last row of a chunk reachi
 sample-only chunks). A Fill asking for prompt logprobs also gets the logits of every row of its chunks whose next
 token is a filled token with unknown logprob (parrot.engine.kv_cache.prompt_logprobs.needs_logits), computed
 ``_LOGIT_ROWS`` rows at a time so a long chunk never holds [tokens, vocab] logits at once.
+
+Swap space (tool pauses, :mod:`parrot.engine.kv_cache.host_store`): host tensors shaped like the pool's, one
+slot per block, per layer. Before the forward the runner performs the plan's copies (``BatchPlan.copies``): every
+swap-out (pool block -> host slot), then every swap-in (host slot -> pool block), and keeps the measured copy
+rate (bytes/s, an EMA) for the scheduler's swap cost.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import time
+
 import torch
 
 from parrot.engine.context import Context, Op, RawLogprobs
 from parrot.engine.core import StepOutput
 from parrot.engine.decode_groups import min_shared_blocks, shared_prefix_groups
+from parrot.engine.kv_cache.manager import KVCopies
 from parrot.engine.kv_cache.prompt_logprobs import needs_logits, wants_prompt_logprobs
 from parrot.engine.layers.attention import BlockRef, DecodeGroup, PagedAttention, PrefillMeta
 from parrot.engine.sampler import Sampler, token_logprobs
 from parrot.engine.scheduler.scheduler import BatchPlan, Chunk
 
 _LOGIT_ROWS = 256  # prompt-logprob rows per lm_head call
+# host<->pool copy rate before one is measured: PCIe 4.0 x16 effective for a GPU, a memcpy of DRAM for a CPU
+DEFAULT_COPY_BYTES_PER_S = {"cuda": 25e9, "cpu": 5e9}
+_RATE_EMA = 0.2  # weight of the newest copy in the measured rate
 
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, sampler: Sampler, *,
                  shared_prefix_attention: bool = True, min_shared_tokens: int = 32,
                  decode_kernel: Callable | None = None, prefill_kernel: Callable | None = None,
-                 kv_dtype: torch.dtype | None = None) -> None:
+                 kv_dtype: torch.dtype | None = None, host_blocks: int = 0) -> None:
         cfg = model.config
         self.model = model
         self.sampler = sampler
@@ -48,6 +59,16 @@ class ModelRunner:
              torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
             for _ in range(cfg.num_layers)
         ]
+        self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * \
+            torch.tensor([], dtype=self.kv_dtype).element_size()
+        # swap space: host tensors of ``host_blocks`` slots per layer (pinned for a GPU: async-capable DMA);
+        # allocated on the first swap-out (untouched pages cost nothing until then)
+        self.host_blocks = host_blocks
+        self._host_shape = (host_blocks,) + shape[1:]
+        self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.default_copy_bytes_per_s = DEFAULT_COPY_BYTES_PER_S.get(torch.device(self.device).type, 5e9)
+        self.copy_bytes_per_s: float | None = None  # measured (EMA); None before any copy
+        self.num_copied_blocks = 0
         self.scale = cfg.attention_scale
         # per layer sliding window / soft-cap of the model's family (models without the attribute: plain causal)
         self.attention_layers = getattr(model, "attention_layers", None)
@@ -67,7 +88,41 @@ class ModelRunner:
         return [table[p // bs] * bs + p % bs for p in range(start, start + n)]
 
     @torch.inference_mode()
+    def copy_blocks(self, copies: KVCopies) -> None:
+        """Every swap-out (pool block -> host slot), then every swap-in (host slot -> pool block), all layers."""
+        n = len(copies.swap_out) + len(copies.swap_in)
+        if not n:
+            return
+        t0 = time.perf_counter()
+        if self.host_caches is None:
+            pin = torch.device(self.device).type == "cuda"
+            self.host_caches = [(torch.empty(self._host_shape, dtype=self.kv_dtype, pin_memory=pin),
+                                 torch.empty(self._host_shape, dtype=self.kv_dtype, pin_memory=pin))
+                                for _ in self.kv_caches]
+        if copies.swap_out:
+            blocks = torch.tensor([b for b, _ in copies.swap_out], dtype=torch.long, device=self.device)
+            slots = torch.tensor([s for _, s in copies.swap_out], dtype=torch.long)
+            for (k, v), (hk, hv) in zip(self.kv_caches, self.host_caches):
+                hk.index_copy_(0, slots, k.index_select(0, blocks).to("cpu"))
+                hv.index_copy_(0, slots, v.index_select(0, blocks).to("cpu"))
+        if copies.swap_in:
+            slots = torch.tensor([s for s, _ in copies.swap_in], dtype=torch.long)
+            blocks = torch.tensor([b for _, b in copies.swap_in], dtype=torch.long, device=self.device)
+            for (k, v), (hk, hv) in zip(self.kv_caches, self.host_caches):
+                k.index_copy_(0, blocks, hk.index_select(0, slots).to(self.device, non_blocking=True))
+                v.index_copy_(0, blocks, hv.index_select(0, slots).to(self.device, non_blocking=True))
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - t0
+        self.num_copied_blocks += n
+        if dt > 0:
+            rate = n * self.block_size * self.kv_bytes_per_token / dt
+            prev = self.copy_bytes_per_s
+            self.copy_bytes_per_s = rate if prev is None else prev + _RATE_EMA * (rate - prev)
+
+    @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> StepOutput:
+        self.copy_blocks(plan.copies)
         decodes = [c for c in plan.chunks if c.num_tokens == 1]
         prefills = [c for c in plan.chunks if c.num_tokens > 1]
         sample_only = [c for c in plan.chunks if c.num_tokens == 0 and c.sample]

@@ -1,6 +1,7 @@
 """`parrot engine`: the builtin engine as its own FastAPI process (Fill / Generate / FreeContext over HTTP).
 
-Endpoints (prefix /engine/v1): fill, generate (JSON or SSE with ``stream``), free_context, status, tokenize,
+Endpoints (prefix /engine/v1): fill, generate (JSON or SSE with ``stream``; optional ``hint``), free_context,
+pause_context (a context handed over while a tool runs), status, tokenize,
 detokenize, model_info, token_cap (the manager's placement hint); plus /health and /metrics (Prometheus).
 Errors are OpenAI-style bodies with the typed error's status and code, and a streamed generate is the shared SSE
 response (:mod:`parrot.http_edge`): ``data: {chunk}`` per chunk, an error event if the engine fails mid-stream, then
@@ -29,7 +30,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from parrot.common.errors import UnknownContext
 from parrot.common.sampling import SamplingParams
 from parrot.drain import Drain, DrainMiddleware
-from parrot.engine.interface import EngineClient
+from parrot.engine.interface import EngineClient, OpHint, ToolHint
 from parrot.engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from parrot.engine.metrics import render_status
 from parrot.engine.op_memo import OpMemo
@@ -39,6 +40,7 @@ from parrot.engine.wire import (
     FillRequest,
     FreeRequest,
     GenerateRequest,
+    PauseRequest,
     TokenCapRequest,
     TokenizeRequest,
     to_json,
@@ -125,9 +127,11 @@ def create_engine_app(client: EngineClient, settings: EngineServerSettings | Non
     async def fill(req: FillRequest) -> dict:
         contexts.add(req.context_id)
 
+        hint = OpHint.from_wire(req.hint)
+
         def work():
             return client.fill(req.token_ids, req.context_id, req.parent_context_id,
-                               prompt_logprobs=req.prompt_logprobs)
+                               prompt_logprobs=req.prompt_logprobs, hint=hint)
 
         if req.op_id is None:
             return to_json(await work())
@@ -137,10 +141,11 @@ def create_engine_app(client: EngineClient, settings: EngineServerSettings | Non
     @app.post("/engine/v1/generate")
     async def generate(req: GenerateRequest):
         sampling = SamplingParams.from_dict(req.sampling)
+        hint = OpHint.from_wire(req.hint)
         contexts.add(req.context_id)
         if not req.stream:
-            return to_json(await client.generate(sampling, req.context_id, req.parent_context_id))
-        stream = client.generate_stream(sampling, req.context_id, req.parent_context_id)
+            return to_json(await client.generate(sampling, req.context_id, req.parent_context_id, hint=hint))
+        stream = client.generate_stream(sampling, req.context_id, req.parent_context_id, hint=hint)
         first = await anext(stream)  # errors before the first token still become a typed 4xx/5xx
 
         async def events() -> AsyncIterator[dict]:
@@ -161,6 +166,15 @@ def create_engine_app(client: EngineClient, settings: EngineServerSettings | Non
         contexts.discard(req.context_id)
         await client.free_context(req.context_id)
         return {"freed": req.context_id}
+
+    @app.post("/engine/v1/pause_context")
+    async def pause_context(req: PauseRequest) -> dict:
+        """The context is the engine's now (resumed by a later context continuing it, or freed at its TTL)."""
+        res = await client.pause_context(req.context_id, ToolHint.from_wire(req.tool.model_dump()))
+        contexts.discard(req.context_id)
+        if res is None:  # an engine without tool handling freed it
+            return {"context_id": req.context_id, "handling": None}
+        return res.to_wire()
 
     @app.post("/engine/v1/token_cap")
     async def token_cap(req: TokenCapRequest) -> dict:

@@ -57,9 +57,21 @@ class EngineSettings(BaseSettings):
     enable_prefix_cache: bool = Field(
         True, description="keep KV blocks of finished contexts and reuse them for equal token prefixes (LRU)"
     )
-    local_policy: Literal["fcfs", "preble"] = Field(
-        "fcfs", description="wait-queue order for admission: fcfs, or preble = priority groups by cached-token "
-        "ratio with proportional quotas (Preble 4.3)")
+    local_policy: Literal["fcfs", "preble", "lamps"] = Field(
+        "fcfs", description="wait-queue order for admission: fcfs (the tool policy's ranking applies: lamps ranks "
+        "by memory over time), preble = priority groups by cached-token ratio with proportional quotas (Preble "
+        "4.3), lamps = LAMPS' memory-over-time ranking with starvation prevention whatever the tool policy")
+    tool_policy: Literal["lamps", "lamps-fcfs", "infercept", "discard", "preserve"] = Field(
+        "lamps", description="KV of a context paused for a tool call (EngineClient.pause_context) and admission "
+        "order: lamps = handling predicted from the manager's hints at admission + memory-over-time ranking "
+        "(LAMPS); lamps-fcfs = LAMPS' handling with FCFS admission (its ablation); infercept = least-waste "
+        "handling chosen at the pause + FCFS (INFERCEPT); discard / preserve = always that handling + FCFS")
+    swap_space_bytes: int = Field(
+        256 << 20, ge=0, description="host memory for KV blocks swapped out of the pool while a tool runs (0: no "
+        "swapping; swap choices become discard)")
+    tool_pause_ttl_s: float | None = Field(
+        None, gt=0, description="seconds a paused context waits to be resumed before it is freed; None = "
+        "max(30 s, 4 x the tool's expected duration)")
     priority_groups: int = Field(10, ge=1, description="preble local policy: number of priority groups P")
     shared_prefix_attention: bool = Field(
         True, description="decode rows sharing a prefix attend to it once (one batched matmul, merged by LSE)"

@@ -31,6 +31,7 @@ class FillRequest(BaseModel):
     # names this fill and its retries: the engine applies it once and answers a repeat with the first result
     # (parrot.engine.op_memo); None = not retried (applied as sent)
     op_id: str | None = Field(None, min_length=8, max_length=64)
+    hint: dict | None = None  # OpHint.to_wire() of the generate this fill's prompt is for
 
 
 class GenerateRequest(BaseModel):
@@ -39,6 +40,23 @@ class GenerateRequest(BaseModel):
     context_id: str = _ID
     parent_context_id: str | None = Field(None, min_length=1, max_length=256)
     stream: bool = False
+    hint: dict | None = None  # OpHint.to_wire(): the manager's predictions (output length, an expected tool call)
+
+
+class ToolWire(BaseModel):
+    """ToolHint.to_wire()."""
+
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field("", max_length=256)
+    expected_duration_s: float | None = Field(None, ge=0)
+
+
+class PauseRequest(BaseModel):
+    """Hand a context to the engine while a tool runs (EngineClient.pause_context)."""
+
+    model_config = ConfigDict(extra="forbid")
+    context_id: str = _ID
+    tool: ToolWire = Field(default_factory=ToolWire)
 
 
 class FreeRequest(BaseModel):

@@ -180,9 +180,11 @@ class Session:
         return f"/api/v1/sessions/{self.session_id}"
 
     # ---- the Parrot API -------------------------------------------------------------------------------------
-    def create_variable(self, name: str | None = None, value: str | None = None) -> str:
-        """Create a server variable (ready when ``value`` is given); returns its var_id."""
-        body = {k: v for k, v in (("name", name), ("value", value)) if v is not None}
+    def create_variable(self, name: str | None = None, value: str | None = None, *,
+                        tool: Mapping[str, Any] | None = None) -> str:
+        """Create a server variable (ready when ``value`` is given); returns its var_id. ``tool``: it is the output
+        of a tool call (``{"name", "inputs": [var ids], "expected_duration_s"}``, docs/api.md)."""
+        body = {k: v for k, v in (("name", name), ("value", value), ("tool", tool)) if v is not None}
         return self._request("POST", f"{self._base}/variables", json=body)["var_id"]
 
     def set_variable(self, var_id: str, value: str) -> None:

@@ -13,6 +13,16 @@ SemanticVariable arguments are fetched first (``get`` with the function's ``perf
 plain strings; other arguments are passed unchanged. It must return ``str`` (one output) or a tuple/list of
 ``len(outputs)`` strings. Its exception surfaces at its outputs' ``get``; semantic outputs computed from
 them fail with ``StepFailed`` (cause ``native_function_failed``).
+
+A native function that calls a tool (an API, a search, a code runner) says so, LAMPS-style::
+
+    @P.native_function(tool="search", expected_duration_s=0.8)
+    def search(query: str) -> str: ...
+
+Its outputs are then created on the server at once, declared as that tool's outputs on its Semantic Variable
+arguments: the server pauses the context of the generate producing those arguments while the tool runs (the
+follow-up prompt continuing it reuses its KV), predicts the tool's duration (``expected_duration_s`` until it has
+observed the tool) and learns it from when the value arrives.
 """
 
 from __future__ import annotations
@@ -21,6 +31,8 @@ import concurrent.futures
 import functools
 import inspect
 import logging
+import math
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,14 +42,29 @@ from parrot.frontend.variable import LATENCY, SemanticVariable
 
 log = logging.getLogger(__name__)
 
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")  # as the server checks it (parrot.manager.graph.TOOL_NAME)
+
 
 class NativeFunction:
     """A client-side function in the Parrot data flow. See the module docstring."""
 
     def __init__(self, fn: Callable[..., Any], *, outputs: int | Sequence[str] = 1,
-                 perf: PerfCriteria | str = LATENCY, input_timeout: float | None = None) -> None:
+                 perf: PerfCriteria | str = LATENCY, input_timeout: float | None = None, tool: str | None = None,
+                 expected_duration_s: float | None = None) -> None:
         self.fn = fn
         self.name = getattr(fn, "__name__", "native_function")
+        if tool is not None and not (isinstance(tool, str) and _TOOL_NAME.match(tool)):
+            raise ValueError(f"native function {self.name!r}: tool must be 1..64 of a-z, A-Z, 0-9, '_', '-', '.', "
+                             f"got {tool!r}")
+        if expected_duration_s is not None:
+            if tool is None:
+                raise ValueError(f"native function {self.name!r}: expected_duration_s needs tool=")
+            if isinstance(expected_duration_s, bool) or not isinstance(expected_duration_s, (int, float)) \
+                    or not (0 < expected_duration_s < math.inf):
+                raise ValueError(f"native function {self.name!r}: expected_duration_s must be a positive finite "
+                                 f"number, got {expected_duration_s!r}")
+        self.tool = tool
+        self.expected_duration_s = None if expected_duration_s is None else float(expected_duration_s)
         if isinstance(outputs, int):
             if outputs < 1:
                 raise ValueError(f"native function {self.name!r}: outputs must be >= 1, got {outputs}")
@@ -63,6 +90,11 @@ class NativeFunction:
         inputs = tuple(v for v in bound.arguments.values() if isinstance(v, SemanticVariable))
         outs = tuple(SemanticVariable._native_output(n, s, f, inputs, f"native function {self.name}")
                      for n, f in zip(self.output_names, futures))
+        if self.tool is not None:  # declared on the server now: the generates feeding it pause for it
+            decl = {"name": self.tool, "inputs": [v._bind(s) for v in inputs],
+                    "expected_duration_s": self.expected_duration_s}
+            for out in outs:
+                out._bind_tool_output(s, decl)
         s.native_pool.submit(self._run, bound, futures)
         return outs[0] if len(outs) == 1 else outs
 
@@ -97,10 +129,13 @@ class NativeFunction:
 
 
 def native_function(fn: Callable | None = None, /, *, outputs: int | Sequence[str] = 1,
-                    perf: PerfCriteria | str = LATENCY, input_timeout: float | None = None) -> Any:
-    """Decorator (bare or with arguments) making a :class:`NativeFunction`."""
+                    perf: PerfCriteria | str = LATENCY, input_timeout: float | None = None, tool: str | None = None,
+                    expected_duration_s: float | None = None) -> Any:
+    """Decorator (bare or with arguments) making a :class:`NativeFunction`; ``tool``: it calls that tool (module
+    docstring), ``expected_duration_s`` its expected duration."""
 
     def wrap(f: Callable) -> NativeFunction:
-        return NativeFunction(f, outputs=outputs, perf=perf, input_timeout=input_timeout)
+        return NativeFunction(f, outputs=outputs, perf=perf, input_timeout=input_timeout, tool=tool,
+                              expected_duration_s=expected_duration_s)
 
     return wrap(fn) if fn is not None else wrap

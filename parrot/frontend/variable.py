@@ -161,6 +161,21 @@ class SemanticVariable:
                 self._pushed = value is not None
             return self._var_id
 
+    def _bind_tool_output(self, session: "Session", tool: dict) -> str:
+        """Create this native output on the server now, declared as the output of ``tool`` (a ToolDecl's wire
+        form: name, inputs, expected_duration_s); its value is pushed when the native function returns."""
+        with self._lock:
+            if self._var_id is None:
+                value = None
+                if self._native is not None and self._native.done() and self._native.exception() is None:
+                    value = self._native.result()
+                self._var_id = session.create_variable(self.name, tool=tool)
+                self._session = session
+                if value is not None:
+                    session.set_variable(self._var_id, value)
+                    self._pushed = True
+            return self._var_id
+
     def _on_native_done(self, future: "concurrent.futures.Future[str]") -> None:
         """Runs in the native worker: record the outcome; push the value if the server already knows us."""
         with self._lock:

@@ -38,6 +38,14 @@ hangs), the engine is marked dead and the prompt restarts from its fill on anoth
 events has been queued for the client; after that the stream ends with an ``engine_unavailable`` error saying
 how many tokens were sent (a stream cannot be resumed elsewhere).
 
+Predictions and tool calls (LAMPS; :mod:`parrot.manager.tool_predict`): every generate carries an ``OpHint`` with
+its predicted output length (learned online from the lengths this service and the graph executor observe); a
+forced call (``tool_choice`` naming a function) also names the tool. A chat answer of one choice whose finish
+reason is ``tool_calls`` has its context handed to ``engine.pause_context`` (tool: the first call) instead of
+freed: the follow-up request carrying the tool's result renders the same prompt head plus the call, and the
+engine's prefix match resumes the paused context's KV (its ``cached_tokens``); once that fill is done the paused
+context is freed (:class:`~parrot.manager.tool_context.PausedChats`).
+
 Every context is freed and every lease released when the response ends, fails or the client disconnects
 (cleanup runs shielded from cancellation); contexts left on a dead engine are freed if that same engine
 process comes back (:class:`~parrot.manager.failover.OrphanContexts`).
@@ -47,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import secrets
 import time
@@ -64,7 +73,8 @@ from parrot.common.errors import (
 )
 from parrot.common.log_context import set_log_context
 from parrot.common.sampling import FinishReason, SamplingParams
-from parrot.engine.interface import EngineClient, FillResult, GenerateChunk, GenerateResult, ModelInfo
+from parrot.engine.interface import (EngineClient, FillResult, GenerateChunk, GenerateResult, ModelInfo, OpHint,
+                                     ToolHint)
 from parrot.manager.completion_types import (
     ChatSpec,
     ChoiceDelta,
@@ -86,6 +96,9 @@ from parrot.manager.failover import Failover, Loss, OrphanContexts
 from parrot.manager.logprob_align import aligner, generated_positions
 from parrot.manager.metrics import ManagerMetrics
 from parrot.manager.recent import RecentRequests
+from parrot.manager.tool_calls import ToolChoice
+from parrot.manager.tool_context import PausedChats, pause_context
+from parrot.manager.tool_predict import Predictors, PromptFeatures
 
 logger = logging.getLogger(__name__)
 
@@ -96,12 +109,15 @@ T = TypeVar("T")
 class CompletionService:
     def __init__(self, dispatcher: Dispatcher, *, max_n: int = 16, renderer: ChatRenderer | None = None,
                  max_attempts: int = 3, recent: RecentRequests | None = None,
-                 metrics: ManagerMetrics | None = None) -> None:
+                 metrics: ManagerMetrics | None = None, predictors: Predictors | None = None) -> None:
         """``max_attempts``: runs of a prompt in all when its engine dies under it (1 = no restart); ``recent``:
-        where each prompt is recorded with its timings when it ends (the manager's, for the web view)."""
+        where each prompt is recorded with its timings when it ends (the manager's, for the web view);
+        ``predictors``: output lengths and tool durations (the manager's, shared with the graph executor)."""
         self.failover = Failover(dispatcher, max_attempts=max_attempts)  # raises ValueError for max_attempts < 1
         self.recent = recent or RecentRequests()
         self.metrics = metrics or ManagerMetrics()  # the manager's: requests, TTFT / TPOT / end-to-end
+        self.predictors = predictors or Predictors()
+        self.paused_chats = PausedChats()  # chat contexts paused for a tool call, until their follow-up is filled
         self.dispatcher = dispatcher
         self.max_n = max_n
         self.renderer = renderer or ChatRenderer()
@@ -294,6 +310,38 @@ class _Run:
         self.contexts: list[tuple[str, EngineClient, str]] = []  # (engine, client it was created through, context)
         self.fills: dict[int, FillResult] = {}  # job index -> the fill of its latest run
         self.timer = service.metrics.timer("chat" if plan.chat else "completions")
+        self.pauses: dict[str, ToolHint] = {}  # context -> the tool call it waits for (paused at close, not freed)
+        self.arrived = service.paused_chats.now()  # when it reached the service (a follow-up: its tool's end)
+
+    def features(self, job: PromptJob, sampling: SamplingParams) -> PromptFeatures:
+        """The output-length predictor's view of one choice: the prompt's size and head (a chat's system prompt,
+        a completion's few-shot head identify the application), max_tokens and the tools offered."""
+        plan = self.plan
+        head = hashlib.blake2b(str(job.token_ids[:32]).encode(), digest_size=8).hexdigest()
+        tools = tuple(t.name for t in plan.tools.tools) if plan.tools is not None else ()
+        return PromptFeatures(plan.model, len(job.token_ids), sampling.max_tokens,
+                              f"{'chat' if plan.chat else 'completion'}:{head}", tools)
+
+    def hint(self, features: PromptFeatures) -> OpHint:
+        """The generate's predictions; a forced call (tool_choice naming a function) names its tool."""
+        tools, predictors = self.plan.tools, self.service.predictors
+        tool = None
+        if tools is not None and tools.choice is ToolChoice.NAMED and tools.name is not None:
+            tool = ToolHint(tools.name, predictors.tool_durations.predict(tools.name))
+        return OpHint(predictors.output_length.predict(features), tool)
+
+    def generated(self, ctx: str, features: PromptFeatures, tokens: int, text: str,
+                  finish: FinishReason | None, *, single: bool) -> None:
+        """A choice generated into ``ctx`` ended: the predictor learns its length; a chat answer of one choice
+        (``single``) that ends in tool calls (finish reason ``tool_calls``) marks ``ctx`` to be paused."""
+        self.service.predictors.output_length.observe(features, tokens)
+        tools = self.plan.tools
+        if not (self.plan.chat and single and tools is not None and finish is FinishReason.STOP):
+            return
+        calls = tools.parse(text).calls
+        if calls:
+            name = calls[0].name
+            self.pauses[ctx] = ToolHint(name, self.service.predictors.tool_durations.predict(name))
 
     @property
     def cached_tokens(self) -> int:
@@ -315,8 +363,14 @@ class _Run:
             client = lease.client
             base = f"{plan.id}-{job.index}" + (f"-r{n}" if n > 1 else "")
             self.contexts.append((lease.engine, client, base))
-            fill = await client.fill(job.token_ids, base, **fill_kwargs)
+            # the prompt's fill carries the (first) choice's predictions: an engine ranking by memory over time
+            # admits the request as a whole segment
+            first = self.hint(self.features(job, job.samplings[0])) if plan.generate and job.samplings else None
+            fill = await client.fill(job.token_ids, base, **fill_kwargs, **({"hint": first} if first else {}))
             self.fills[job.index] = fill
+            if plan.chat and len(self.service.paused_chats):  # a follow-up to a tool call: its KV is taken now
+                await self.service.paused_chats.release(job.token_ids, self.service.orphans,
+                                                        self.service.predictors.tool_durations, self.arrived)
             if not plan.generate:
                 targets: Targets = []
             elif len(job.samplings) == 1:
@@ -366,10 +420,13 @@ class _Run:
                 return [ChoiceResult(echo_text, FinishReason.LENGTH, (), echo_positions if with_logprobs else None)
                         for _ in job.samplings]
             called = time.monotonic()
+            features = [self.features(job, s) for s in job.samplings]
             results: list[GenerateResult] = await gather_or_cancel(
-                [client.generate(s, ctx, parent) for s, (ctx, parent) in zip(job.samplings, targets)])
+                [client.generate(s, ctx, parent, hint=self.hint(f))
+                 for s, f, (ctx, parent) in zip(job.samplings, features, targets)])
             out = []
-            for res in results:
+            for res, f, (ctx, _) in zip(results, features, targets):
+                self.generated(ctx, f, len(res.token_ids), res.text, res.finish_reason, single=len(targets) == 1)
                 self.timer.result(res, called)
                 positions = aligner(plan).push(generated_positions(plan, res.token_ids, res.logprobs), res.text,
                                                 final=True)
@@ -400,11 +457,18 @@ class _Run:
 
             async def one(index: int, sampling: SamplingParams, ctx: str, parent: str | None) -> None:
                 nonlocal sent, events
-                async with contextlib.aclosing(client.generate_stream(sampling, ctx, parent)) as chunks:
+                features = self.features(job, sampling)
+                tokens, parts, finish = 0, [], None
+                async with contextlib.aclosing(client.generate_stream(sampling, ctx, parent,
+                                                                      hint=self.hint(features))) as chunks:
                     async for chunk in chunks:
                         sent += len(chunk.token_ids)
+                        tokens += len(chunk.token_ids)
+                        parts.append(chunk.text)
+                        finish = chunk.finish_reason or finish
                         events += 1
                         queue.put_nowait(("chunk", index, chunk))
+                self.generated(ctx, features, tokens, "".join(parts), finish, single=len(targets) == 1)
                 events += 1
                 queue.put_nowait(("done", index, None))
 
@@ -424,7 +488,13 @@ class _Run:
     async def close(self) -> None:
         with anyio.CancelScope(shield=True):
             for engine, client, ctx in reversed(self.contexts):  # children before their parent
-                await self.service.orphans.free(engine, ctx, client)
+                tool = self.pauses.get(ctx)
+                if tool is not None:
+                    if await pause_context(client, engine, ctx, tool, registry=self.dispatcher.registry,
+                                           orphans=self.service.orphans, predictors=self.service.predictors):
+                        self.service.paused_chats.add(engine, client, ctx, self.plan.jobs[0].token_ids, tool.name)
+                else:
+                    await self.service.orphans.free(engine, ctx, client)
             self.contexts.clear()
             for lease in self.leases:
                 lease.release()

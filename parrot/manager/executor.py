@@ -21,6 +21,18 @@ lost), the request is rescheduled: it restarts from its head on another engine, 
 all. Outputs it already materialized stay: their generated text is filled back instead of generated again, so
 every consumer sees one value per variable. A request that loses its engine after materializing every output
 (while freeing its context) is finished, not rescheduled.
+
+Tool calls (LAMPS; :mod:`parrot.manager.tool_context`). Every generate carries an ``OpHint`` with its predicted
+output length; one whose output is read by a tool-produced variable (``graph.ToolDecl``) also names the tool and
+its predicted duration. When such a request finishes, its context is handed to ``engine.pause_context`` instead
+of being freed (the engine owns it from then on). The follow-up request's prompt continues it::
+
+    S1 context:  | prompt of S1 | generated out1 (token ids g) |              paused while the tool runs
+    S2 prompt:   | prompt of S1 | out1 as an input: the ids g   | tool result | ...   -> prefix match on S1's KV
+
+An input whose text is exactly what a generate wrote for it is filled as that generate's token ids
+(``graph.GeneratedTokens``), not retokenized, so S2's tokens equal S1's context token for token. When the client
+sets the tool's output, the time since its inputs were ready is the tool's observed duration.
 """
 
 from __future__ import annotations
@@ -39,15 +51,17 @@ from parrot.common.perf import PerfCriteria
 from parrot.common.sampling import FinishReason
 from parrot.common.template import TextSegment
 from parrot.common.transforms import apply_transforms
-from parrot.engine.interface import EngineClient, ModelInfo
+from parrot.engine.interface import EngineClient, FillResult, ModelInfo, OpHint, ToolHint
 from parrot.manager.dispatcher import Dispatcher, DispatchRequest, Lease
 from parrot.manager.failover import Failover, Loss, OrphanContexts
-from parrot.manager.graph import PlaceholderBinding, RequestNode, RequestStatus, Variable, VarStatus
+from parrot.manager.graph import GeneratedTokens, PlaceholderBinding, RequestNode, RequestStatus, Variable, VarStatus
 from parrot.manager.metrics import ManagerMetrics
 from parrot.manager.prefix_sharing import Boundary, Fork, PrefixSharing, PromptHead
 from parrot.manager.prefix_store import ContextRef, PrefixHasher, PrefixStore
 from parrot.manager.recent import RecentRequests
 from parrot.manager.session import SessionState
+from parrot.manager.tool_context import DagTools, pause_context
+from parrot.manager.tool_predict import Predictors
 from parrot.manager.value_stream import OutputSink, generate_streamed
 
 logger = logging.getLogger(__name__)
@@ -59,9 +73,10 @@ class GraphExecutor:
     def __init__(self, dispatcher: Dispatcher, prefix_store: PrefixStore, *, sharing: PrefixSharing | None = None,
                  on_activity: Callable[[SessionState], None] | None = None, clock: Callable[[], float] = time.time,
                  max_attempts: int = 3, recent: RecentRequests | None = None, stream_outputs: bool = True,
-                 metrics: ManagerMetrics | None = None):
+                 metrics: ManagerMetrics | None = None, predictors: Predictors | None = None):
         """``stream_outputs``: generate unconstrained outputs through the engine's stream, so readers of a variable
-        get its pieces while it is generated (:mod:`parrot.manager.value_stream`); False: one piece when done."""
+        get its pieces while it is generated (:mod:`parrot.manager.value_stream`); False: one piece when done.
+        ``predictors``: output-length and tool-duration predictors (the manager's, shared with the OpenAI path)."""
         self.failover = Failover(dispatcher, max_attempts=max_attempts)  # raises ValueError for max_attempts < 1
         self.dispatcher = dispatcher
         self.prefix_store = prefix_store
@@ -71,6 +86,8 @@ class GraphExecutor:
         self.stream_outputs = stream_outputs
         self.recent = recent or RecentRequests(clock=clock)  # every run request, when it ends (the web view's feed)
         self.metrics = metrics or ManagerMetrics()  # requests by status, TTFT / TPOT / end-to-end (GET /metrics)
+        self.predictors = predictors or Predictors()
+        self.tools = DagTools(self.predictors, clock=clock)
         # request key -> {output var id: raw generated text} of outputs materialized by an earlier run
         self._generated: dict[str, dict[str, str]] = {}
         self._orphans = OrphanContexts(dispatcher.registry)  # contexts left on engines while they were dead
@@ -92,8 +109,10 @@ class GraphExecutor:
 
     def set_value(self, session: SessionState, var_id: str, value: str) -> Variable:
         """A client PUT: materialize a free variable and start what waited for it."""
-        session.graph.check_settable(var_id)
-        session.graph.reserve_text(value, "the value")
+        graph = session.graph
+        var = graph.check_settable(var_id)
+        graph.reserve_text(value, "the value")
+        self.tools.tool_done(graph, var, self._clock())  # a tool's output: its duration is learned
         return self._materialize(session, var_id, value)
 
     async def close_session(self, session: SessionState) -> None:
@@ -118,12 +137,14 @@ class GraphExecutor:
                 cause_code=UnknownSession.code))
         for ctx in list(session.contexts):
             await self._free(session, ctx)
+        await self.tools.release_session(session.session_id, self._orphans)
         if self.sharing is not None:
             await self.sharing.close_session(session.session_id)
 
     # ---- propagation ----------------------------------------------------------------------------------------
-    def _materialize(self, session: SessionState, var_id: str, value: str) -> Variable:
-        var = session.graph.materialize(var_id, value)
+    def _materialize(self, session: SessionState, var_id: str, value: str, *,
+                     generated: GeneratedTokens | None = None) -> Variable:
+        var = session.graph.materialize(var_id, value, generated=generated)
         self._advance(session, var.consumers)
         return var
 
@@ -220,6 +241,8 @@ class GraphExecutor:
         session.contexts[ctx] = lease.engine  # before the first fill: a cancelled fill is still freed
         key = _key(session, req)
         fork: Fork | None = None
+        completed = False
+        held: list[Boundary] = []  # boundaries registered for ctx (a paused ctx keeps their placement affinity)
         try:
             head, n_head, hasher = await self._tokenize_head(session, req, client, info)
             if self.sharing is not None:
@@ -228,8 +251,11 @@ class GraphExecutor:
             if fork is not None and self.sharing is not None and not await self.sharing.wait(fork):
                 self.sharing.release(fork)  # its fill failed: run unshared
                 fork = None
-            fork = await self._first_fill(req, client, ctx, head, fork)
+            fork = await self._first_fill(req, client, ctx, head, fork,
+                                          self._fill_hint(session, req, n_head, lease, len(head.tokens)))
+            await self.tools.release_for(session.session_id, req, self._orphans)  # its prompt took a paused KV
             self._register(head.boundaries, lease.engine, ctx)
+            held.extend(head.boundaries)
             pending: list[int] = []
             offset = len(head.tokens)  # tokens in the context once `pending` is filled
             boundaries: list[Boundary] = []  # (prefix hash, token offset) not yet registered
@@ -244,22 +270,29 @@ class GraphExecutor:
                     if binding.is_output and replayed is None:
                         _check_prompt_limit(session, offset, binding.name)
                         if pending:
-                            await client.fill(pending, ctx)
+                            self._filled(req, await client.fill(pending, ctx,
+                                                                hint=self._fill_hint(session, req, i, lease, offset)))
                             pending = []
                         self._register(boundaries, lease.engine, ctx)
+                        held.extend(boundaries)
                         boundaries = []
-                        piece, n = await self._generate(session, req, binding, lease, ctx,
+                        piece, n = await self._generate(session, req, binding, lease, ctx, offset,
                                                         lead=_moved_spaces(req.segments, i - 1))
                         offset += n
                         hasher.update(piece)
                         continue
                 piece = _piece(session, req, i) if replayed is None else replayed
-                toks = await client.tokenize(piece)
+                toks = await self.tools.piece_tokens(graph, req, i, piece, client, info)
                 pending.extend(toks)
                 offset += len(toks)
                 hasher.update(piece)
+            completed = True
         finally:
-            await self._free(session, ctx)
+            tool = self.tools.tool_after(graph, req) if completed else None
+            if tool is not None:
+                await self._pause(session, ctx, lease, *tool, held)
+            else:
+                await self._free(session, ctx)
             if fork is not None and self.sharing is not None:
                 self.sharing.release(fork)
 
@@ -274,20 +307,21 @@ class GraphExecutor:
             if not isinstance(seg, TextSegment) and req.bindings[seg.name].is_output:
                 break
             piece = _piece(session, req, n)
-            tokens.extend(await client.tokenize(piece))
+            tokens.extend(await self.tools.piece_tokens(session.graph, req, n, piece, client, info))
             bounds.append(Boundary(hasher.update(piece), len(tokens)))
         else:
             n = len(req.segments)
         return PromptHead(tuple(tokens), tuple(bounds)), n, hasher
 
     async def _first_fill(self, req: RequestNode, client: EngineClient, ctx: str, head: PromptHead,
-                          fork: Fork | None) -> Fork | None:
+                          fork: Fork | None, hint: OpHint | None) -> Fork | None:
         """Create ``ctx`` holding the head: a fork of the prefix context plus the rest, or the whole head.
         Returns the fork actually used (None if unshared)."""
         if fork is not None:
             pc = fork.prefix
             try:
-                await client.fill(list(head.tokens[pc.num_tokens:]), ctx, pc.context_id)
+                self._filled(req, await client.fill(list(head.tokens[pc.num_tokens:]), ctx, pc.context_id,
+                                                    hint=hint))
             except UnknownContext:
                 # only the parent can be unknown (ctx is new): the engine lost it, e.g. after a restart
                 assert self.sharing is not None
@@ -300,24 +334,43 @@ class GraphExecutor:
                 req.prefix_context, req.num_shared_tokens = pc.context_id, pc.num_tokens
                 return fork
         if head.tokens:
-            await client.fill(list(head.tokens), ctx)
+            self._filled(req, await client.fill(list(head.tokens), ctx, hint=hint))
         return None
 
+    @staticmethod
+    def _filled(req: RequestNode, fill: FillResult) -> None:
+        req.num_cached_tokens += fill.num_cached
+
+    def _fill_hint(self, session: SessionState, req: RequestNode, i: int, lease: Lease,
+                   prompt_tokens: int) -> OpHint | None:
+        """The predictions of the generate segment ``i`` is, if it is an output to generate: the fill of its prompt
+        (``prompt_tokens`` long) carries them, so an engine ranking by memory over time admits the whole segment."""
+        seg = req.segments[i] if i < len(req.segments) else None
+        if seg is None or isinstance(seg, TextSegment):
+            return None
+        binding = req.bindings[seg.name]
+        if not binding.is_output or binding.sampling is None:
+            return None
+        return self.tools.hint(session.graph, req, binding, lease.info.name, prompt_tokens)[1]
+
     async def _generate(self, session: SessionState, req: RequestNode, binding: PlaceholderBinding, lease: Lease,
-                        ctx: str, *, lead: int = 0) -> tuple[str, int]:
-        """Generate one output into ``ctx`` and materialize it; return (raw text, tokens generated).
+                        ctx: str, prompt_tokens: int, *, lead: int = 0) -> tuple[str, int]:
+        """Generate one output into ``ctx`` (holding ``prompt_tokens``) and materialize it; return (raw text,
+        tokens generated).
 
         ``lead``: spaces the template had right before this output, left out of the fill (see _moved_spaces);
         the model generates them itself, and they are not part of the value."""
         assert binding.sampling is not None and binding.var_id is not None
+        features, hint = self.tools.hint(session.graph, req, binding, lease.info.name, prompt_tokens)
         started = self._clock()
         if self.stream_outputs and binding.sampling.constraint is None:
             # pieces reach the variable's readers as they arrive (value_stream); a constrained output is not
             # streamed: only the whole result says whether it completed its grammar
             sink = OutputSink(session.graph.variables[binding.var_id].pieces, lead)
-            result = await generate_streamed(lease.client, binding.sampling, ctx, sink, self._clock)
+            result = await generate_streamed(lease.client, binding.sampling, ctx, sink, self._clock, hint=hint)
         else:
-            result = await lease.client.generate(binding.sampling, ctx)
+            result = await lease.client.generate(binding.sampling, ctx, hint=hint)
+        self.tools.generated(features, len(result.token_ids))
         if req.times.first_token is None:
             # the engine reports its time to first token (queueing included); the call started at `started`
             req.times.first_token = min(started + result.ttft_s, self._clock())
@@ -333,10 +386,29 @@ class GraphExecutor:
         if lead and text.startswith(" " * lead):
             text = text[lead:]
         value = apply_transforms(list(binding.transforms), text) if binding.transforms else text
-        self._materialize(session, binding.var_id, value)
+        ids = result.token_ids
+        stops = set(lease.info.eos_token_ids) | set(binding.sampling.stop_token_ids)
+        if ids and ids[-1] in stops:  # an EOS / stop token is in the context but not in the text
+            ids = ids[:-1]
+        generated = GeneratedTokens(lease.info.name, result.text, tuple(ids))
+        self._materialize(session, binding.var_id, value, generated=generated)
         self._generated.setdefault(_key(session, req), {})[binding.var_id] = result.text
         session.graph.journal.output_text(session.session_id, binding.var_id, result.text)
         return result.text, len(result.token_ids)
+
+    async def _pause(self, session: SessionState, ctx: str, lease: Lease, tool_var: str, tool: ToolHint,
+                     held: list[Boundary]) -> None:
+        """Hand ``ctx`` (holding the prefixes ``held``) to its engine while the tool producing ``tool_var`` runs,
+        instead of :meth:`_free` (tool_context.pause_context); it is freed once a request reading ``tool_var`` has
+        filled its prompt, and keeps that request's placement on its engine until then (DagTools.prefix_tokens)."""
+        engine = session.contexts.pop(ctx, None)
+        if engine is None:
+            return
+        self.prefix_store.remove_context(engine, ctx)
+        if await pause_context(lease.client, engine, ctx, tool, registry=self.dispatcher.registry,
+                               orphans=self._orphans, predictors=self.predictors):
+            self.tools.paused(session.session_id, tool_var, engine, lease.client, ctx,
+                              [(b.prefix_hash, b.num_tokens) for b in held], tool)
 
     async def _free(self, session: SessionState, ctx: str) -> None:
         engine = session.contexts.pop(ctx, None)

@@ -14,11 +14,18 @@ per free variable and per request::
 
     %1 = input task = 'a snake game'  [ready]
     %2 = r_1 write_code(code) <- %1  [finished, engine e0, get:latency]
+    %3 = tool search <- %2  [pending]
+
+A *tool-produced* variable (:class:`ToolDecl`) is a free variable the client sets later from a tool call (a
+native function declared with ``tool=``) that reads its ``inputs``: the generate producing such an input is
+followed by a tool call (LAMPS), so its context is paused rather than freed (parrot.manager.executor).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
+import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -77,6 +84,35 @@ VAR_TRANSITIONS: dict[VarStatus, frozenset[VarStatus]] = {
 }
 
 
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class ToolDecl:
+    """A variable's declaration as the output of tool ``name`` called on ``inputs`` (var ids of the session).
+    ``expected_duration_s``: the client's guess, used until the manager has observed the tool."""
+
+    name: str
+    inputs: tuple[str, ...]
+    expected_duration_s: float | None = None
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "inputs": list(self.inputs), "expected_duration_s": self.expected_duration_s}
+
+
+@dataclass(frozen=True)
+class GeneratedTokens:
+    """The tokens a generate wrote for a variable, on model ``model``: ``text`` is the raw generated text (before
+    moved spaces are dropped and transforms applied) and ``token_ids`` what the engine appended to the context
+    for it (a final EOS / stop token left out). A later prompt that holds ``text`` verbatim reuses these ids
+    rather than retokenizing the text (which may split it differently), so it continues the producer's context
+    token for token and the engine's prefix match finds that context's KV."""
+
+    model: str
+    text: str
+    token_ids: tuple[int, ...]
+
+
 class IllegalTransition(AssertionError):
     """A status change the transition tables do not allow: an internal error (a bug in the caller)."""
 
@@ -125,6 +161,10 @@ class Variable:
     perf: PerfAnnotation | None = None
     _done: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     pieces: ValueStream = field(default_factory=ValueStream, repr=False)  # the value while generated (streaming)
+    tool: ToolDecl | None = None  # produced by this tool call (set by the client)
+    tool_outputs: list[str] = field(default_factory=list)  # var ids of tool-produced variables reading this one
+    ready_at: float | None = None  # when it became READY (graph clock)
+    generated: GeneratedTokens | None = field(default=None, repr=False)  # its producer's tokens for it
 
     @property
     def done(self) -> bool:
@@ -151,6 +191,7 @@ class RequestNode:
     context_id: str | None = None
     prefix_context: str | None = None  # the prefix context its context was forked from (prefix sharing)
     num_shared_tokens: int = 0  # tokens it inherited from that prefix context instead of filling them
+    num_cached_tokens: int = 0  # of the tokens it filled, those the engine served from cached KV (FillResult)
     error: StepFailed | None = None
 
     @property
@@ -218,17 +259,50 @@ class Graph:
             raise InvalidRequestError(f"session {self.session_id!r} reached its limit of {self.max_nodes} "
                                       "variables + requests; create a new session")
 
-    def add_variable(self, name: str | None = None, value: str | None = None) -> Variable:
+    def add_variable(self, name: str | None = None, value: str | None = None, *,
+                     tool: ToolDecl | None = None) -> Variable:
+        """A new free variable (READY when ``value`` is given). ``tool``: it is the output of that tool call
+        (validated first: InvalidRequestError naming ``tool.*``, UnknownVariable for an unknown input)."""
         self._check_capacity(1)
+        if tool is not None:
+            self._check_tool(tool, value)
         if value is not None:
             self.reserve_text(value, "the value")
         number = len(self.variables) + 1
-        var = Variable(var_id=f"v_{number}", number=number, name=name)
+        var = Variable(var_id=f"v_{number}", number=number, name=name, tool=tool)
         self.variables[var.var_id] = var
+        if tool is not None:
+            for vid in tool.inputs:
+                self.variables[vid].tool_outputs.append(var.var_id)
         self.journal.variable_added(self.session_id, var)
         if value is not None:
             self.materialize(var.var_id, value)
         return var
+
+    def _check_tool(self, tool: ToolDecl, value: str | None) -> None:
+        if not TOOL_NAME.match(tool.name):
+            raise InvalidRequestError(f"tool name {tool.name!r} must be 1..64 of a-z, A-Z, 0-9, '_', '-', '.'",
+                                      param="tool.name")
+        d = tool.expected_duration_s
+        if d is not None and (isinstance(d, bool) or not math.isfinite(d) or d <= 0):
+            raise InvalidRequestError(f"tool.expected_duration_s must be a positive finite number, got {d!r}",
+                                      param="tool.expected_duration_s")
+        if value is not None:
+            raise InvalidRequestError("a tool-produced variable gets its value from the tool call (set it later); "
+                                      "it cannot be created with one", param="value")
+        for vid in tool.inputs:
+            if vid not in self.variables:
+                raise UnknownVariable(f"tool {tool.name!r}: unknown input variable {vid!r} in session "
+                                      f"{self.session_id!r}", param="tool.inputs")
+
+    def tool_reading(self, var_id: str) -> Variable | None:
+        """The tool call made right after ``var_id`` is produced: the last-declared pending tool-produced variable
+        reading it (its ``tool`` set; None: no pending tool reads it)."""
+        for out in reversed(self.variables[var_id].tool_outputs):
+            target = self.variables[out]
+            if target.status is VarStatus.PENDING and target.tool is not None:
+                return target
+        return None
 
     def check_settable(self, var_id: str) -> Variable:
         """The variable a client may PUT a value into: pending and without a producer (409 otherwise)."""
@@ -347,11 +421,14 @@ class Graph:
         self.budget.release(self.bytes_used)
         self.bytes_used = 0
 
-    def materialize(self, var_id: str, value: str) -> Variable:
+    def materialize(self, var_id: str, value: str, *, generated: GeneratedTokens | None = None) -> Variable:
+        """``generated``: the tokens its producer wrote for it (see GeneratedTokens)."""
         var = self.variable(var_id)
         if var.status is not VarStatus.PENDING:
             raise VariableAlreadySet(f"variable {var_id!r} is already {var.status.value}", param="var_id")
         var.value = value
+        var.generated = generated
+        var.ready_at = self._clock()
         self._charge(len(value.encode()))
         self._set_var_status(var, VarStatus.READY)
         self.journal.variable_done(self.session_id, var)
@@ -406,6 +483,11 @@ class Graph:
             if var.producer is not None:
                 continue
             value = "" if var.value is None else f" = {_short(var.value)}"
+            if var.tool is not None:
+                ins = ", ".join(f"%{self.variables[v].number}" for v in var.tool.inputs)
+                lines.append(f"%{var.number} = tool {var.tool.name}{' <- ' + ins if ins else ''}{value}  "
+                             f"[{_var_notes(var)}]")
+                continue
             lines.append(f"%{var.number} = input {var.name or var.var_id}{value}  [{_var_notes(var)}]")
         for req in self.requests.values():
             outs = ", ".join(f"%{self.variables[v].number}" for v in req.outputs) or "_"
@@ -430,6 +512,7 @@ class Graph:
                  "producer": v.producer, "consumers": list(v.consumers),
                  "perf": v.perf.criteria.value if v.perf else None,
                  "value_chars": None if v.value is None else len(v.value),
+                 "tool": v.tool.to_json() if v.tool is not None else None,
                  "error": _error_json(v.error)}
                 for v in self.variables.values()
             ],
@@ -437,7 +520,8 @@ class Graph:
                 {"request_id": r.request_id, "number": r.number, "name": r.name, "label": r.label,
                  "inputs": list(r.inputs), "outputs": list(r.outputs), "status": r.status.value,
                  "engine": r.engine, "context_id": r.context_id, "prefix_context": r.prefix_context,
-                 "num_shared_tokens": r.num_shared_tokens, "timestamps": r.times.to_dict(),
+                 "num_shared_tokens": r.num_shared_tokens, "num_cached_tokens": r.num_cached_tokens,
+                 "timestamps": r.times.to_dict(),
                  "error": _error_json(r.error)}
                 for r in self.requests.values()
             ],

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -20,7 +20,7 @@ from parrot.common.perf import PerfCriteria, PinnedTargets
 from parrot.manager.dispatcher import Dispatcher, Policy
 from parrot.manager.engine_registry import EngineRegistry
 from parrot.manager.executor import GraphExecutor
-from parrot.manager.graph import RequestNode, Variable, VarStatus
+from parrot.manager.graph import RequestNode, ToolDecl, Variable, VarStatus
 from parrot.manager.journal import Journal, open_journal
 from parrot.manager.metrics import ManagerMetrics
 from parrot.manager.perf_deduction import PerfDeduction
@@ -32,6 +32,7 @@ from parrot.manager.restore import restore_sessions
 from parrot.manager.session import SessionState, SessionStore
 from parrot.manager.state_budget import StateBudget
 from parrot.manager.submit import SubmitSpec, build_bindings
+from parrot.manager.tool_predict import Predictors
 
 logger = logging.getLogger(__name__)
 
@@ -123,8 +124,9 @@ class Manager:
         self.prefix_store = PrefixStore()
         self.deduction = PerfDeduction(clock=clock)
         self.metrics = ManagerMetrics()  # this manager's Prometheus registry (GET /metrics); watch() below
+        self.predictors = Predictors()  # output lengths and tool durations (LAMPS), shared with the OpenAI path
         self.dispatcher = Dispatcher(registry, policy or make_policy(self.config.policy, self.config.capacity_config()),
-                                     prefix_lookup=self.prefix_store.engine_prefix_tokens,
+                                     prefix_lookup=self._prefix_tokens,
                                      info_lookup=self.deduction.info, clock=clock, on_placed=self.metrics.placed)
         self.sharing = PrefixSharing(self.prefix_store, registry, self.config.sharing_config(), clock=clock)
         self.sessions = SessionStore(default_ttl_s=self.config.session_ttl_s,
@@ -135,9 +137,16 @@ class Manager:
         self.recent = RecentRequests(clock=clock)  # finished requests with timings, for the web view (/ui)
         self.executor = GraphExecutor(self.dispatcher, self.prefix_store, sharing=self.sharing,
                                       on_activity=self.sessions.touch, clock=clock, recent=self.recent,
-                                      max_attempts=self.config.max_attempts, metrics=self.metrics)
+                                      max_attempts=self.config.max_attempts, metrics=self.metrics,
+                                      predictors=self.predictors)
         self.metrics.watch(self)
         self._background: list[asyncio.Task] = []
+
+    def _prefix_tokens(self, engine: str, prefix_hashes: Sequence[str]) -> int:
+        """The dispatcher's prefix affinity: live contexts and prefix contexts (PrefixStore) and contexts paused
+        for a tool call (their follow-up should run where their KV is)."""
+        return max(self.prefix_store.engine_prefix_tokens(engine, prefix_hashes),
+                   self.executor.tools.prefix_tokens(engine, prefix_hashes))
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -204,8 +213,11 @@ class Manager:
         await self._close(session)
 
     # ---- variables ------------------------------------------------------------------------------------------
-    def create_variable(self, session: SessionState, name: str | None = None, value: str | None = None) -> Variable:
-        return session.graph.add_variable(name, value)
+    def create_variable(self, session: SessionState, name: str | None = None, value: str | None = None, *,
+                        tool: ToolDecl | None = None) -> Variable:
+        """A free variable; ``tool``: the client will set it from that tool call on ``tool.inputs`` (the generates
+        producing those inputs then pause their contexts for it: parrot.manager.executor)."""
+        return session.graph.add_variable(name, value, tool=tool)
 
     def set_variable(self, session: SessionState, var_id: str, value: str) -> Variable:
         return self.executor.set_value(session, var_id, value)
@@ -260,9 +272,11 @@ class Manager:
 
     def stats(self) -> dict:
         """Manager-wide counters for ``GET /api/v1/stats``."""
+        engine_pauses = [e.status.extra.get("tool_pauses") for e in self.registry.entries() if e.status is not None]
         return {"sessions": len(self.sessions), "prefix_sharing": self.sharing.stats().to_dict(),
                 "scheduler": self.dispatcher.stats(),
-                "failover": {"rescheduled": self.executor.num_rescheduled, "engine_deaths": self.registry.num_deaths}}
+                "failover": {"rescheduled": self.executor.num_rescheduled, "engine_deaths": self.registry.num_deaths},
+                "tools": self.predictors.stats(p for p in engine_pauses if isinstance(p, dict))}
 
     def dag(self, session: SessionState) -> DagDump:
         """The session's DAG; requests carry their deduced ``sched`` labels, and the text ends with one

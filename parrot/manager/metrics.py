@@ -265,3 +265,37 @@ class _StateCollector(Collector):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], value)
             yield c
+        yield from _tool_families(m)
+
+
+def _tool_families(m: "Manager") -> Iterable[Metric]:
+    """LAMPS predictions (parrot.manager.tool_predict): output-length accuracy, tool durations, pauses asked."""
+    p = m.predictors
+    acc = p.output_length.accuracy()
+    c = CounterMetricFamily("parrot_output_length_predictions", "generates whose output length was predicted and "
+                            "then observed (the predictor's accuracy is measured on them)")
+    c.add_metric([], acc.observations)
+    yield c
+    for name, doc, value in (
+            ("parrot_output_length_prediction_mae_tokens", "mean absolute error of output-length predictions (tokens)",
+             acc.mean_abs_error),
+            ("parrot_output_length_prediction_within_bin_ratio", "share of output-length predictions in the actual "
+             "length's 10-token bin", acc.within_bin_rate)):
+        if value is not None:
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], value)
+            yield g
+    mean = GaugeMetricFamily("parrot_tool_duration_mean_seconds", "mean observed duration per tool", labels=["tool"])
+    calls = CounterMetricFamily("parrot_tool_calls_observed", "tool calls whose duration was observed",
+                                labels=["tool"])
+    for t in p.tool_durations.all():
+        mean.add_metric([t.name], t.mean_s)
+        calls.add_metric([t.name], t.count)
+    yield mean
+    yield calls
+    pauses = CounterMetricFamily("parrot_tool_pauses_requested", "contexts the manager handed to an engine for a "
+                                 "tool call, by the handling the engine chose (free: the engine has none)",
+                                 labels=["handling"])
+    for handling, n in sorted(p.pauses.items()):
+        pauses.add_metric([handling], n)
+    yield pauses

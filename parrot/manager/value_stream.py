@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from parrot.common.errors import StepFailed
 from parrot.common.sampling import FinishReason, SamplingParams
-from parrot.engine.interface import EngineClient, GenerateResult
+from parrot.engine.interface import EngineClient, GenerateResult, OpHint
 
 if TYPE_CHECKING:
     from parrot.manager.graph import Variable
@@ -124,7 +124,7 @@ class OutputSink:
 
 
 async def generate_streamed(client: EngineClient, sampling: SamplingParams, context_id: str, sink: OutputSink,
-                            clock: Callable[[], float] = time.time) -> GenerateResult:
+                            clock: Callable[[], float] = time.time, *, hint: OpHint | None = None) -> GenerateResult:
     """``client.generate`` through ``generate_stream``: each chunk's text goes to ``sink`` as it arrives.
 
     Returns the result ``generate`` would (``ttft_s`` measured here on ``clock`` from the call to the first
@@ -135,7 +135,7 @@ async def generate_streamed(client: EngineClient, sampling: SamplingParams, cont
     ids: list[int] = []
     parts: list[str] = []
     finish: FinishReason | None = None
-    stream = client.generate_stream(sampling, context_id)
+    stream = client.generate_stream(sampling, context_id, hint=hint)
     try:
         async for chunk in stream:
             if first is None:

@@ -40,10 +40,24 @@ class CostModel:
     max_batch_tokens: int = 4096
     max_num_seqs: int = 256
     max_model_len: int = 4096
+    # host<->engine copy rate of swapped KV (tool pauses): PCIe 4.0 x16 effective by default (GPU models); the
+    # this-machine models state the runner's measured block-copy rate. With ``kv_bytes_per_token`` (K/V bytes of
+    # one token, all layers) it times a swap when ``swap_block_s`` is not given (0)
+    swap_bytes_per_s: float = 25e9
+    kv_bytes_per_token: int = 0
+    # a client's HTTP call to the service outside the engine (frontend, network stack, request handling), measured
+    # by ``parrot profile`` against the in-process server: one Parrot API call (create a variable, submit, the answer
+    # of a get), and the non-engine time of one /v1/completions call; 0 = not modelled (the GPU models)
+    api_call_s: float = 0.0
+    api_completion_s: float = 0.0
     source: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for c in COEFFS + ("swap_block_s",):
+        if not (isinstance(self.swap_bytes_per_s, (int, float)) and self.swap_bytes_per_s > 0):
+            raise ValueError(f"cost model {self.name!r}: swap_bytes_per_s must be > 0, got {self.swap_bytes_per_s!r}")
+        if not isinstance(self.kv_bytes_per_token, int) or self.kv_bytes_per_token < 0:
+            raise ValueError(f"cost model {self.name!r}: kv_bytes_per_token must be an integer >= 0")
+        for c in COEFFS + ("swap_block_s", "api_call_s", "api_completion_s"):
             v = getattr(self, c)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"cost model {self.name!r}: {c} must be a finite number >= 0, got {v!r}")
@@ -69,8 +83,16 @@ class CostModel:
         per_token = self.decode_ctx_s + self.decode_seq_s / max(1, mean_context)
         return max(0, int((tpot_s - self.base_s) / per_token)) if per_token > 0 else self.kv_cache_tokens
 
+    @property
+    def swap_token_s(self) -> float:
+        """Copying one token's KV one way."""
+        return self.swap_s(1) / self.block_size
+
     def swap_s(self, blocks: int) -> float:
-        return self.swap_block_s * blocks
+        """Copying ``blocks`` KV blocks one way (out to host memory, or back in)."""
+        if self.swap_block_s > 0:
+            return self.swap_block_s * blocks
+        return blocks * self.block_size * self.kv_bytes_per_token / self.swap_bytes_per_s
 
     # ---- files ------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -111,6 +133,7 @@ class GpuSpec:
     mem_bytes: float
     pcie_bw: float
     source: str
+    link_bw: float = 0.0  # GPU-GPU bytes/s per direction for tensor-parallel all-reduces (0: no fast link)
 
 
 @dataclass(frozen=True)
@@ -120,10 +143,13 @@ class LlmSpec:
     layers: int
     hidden: int
     source: str
+    kv_dim: int | None = None  # K (= V) width per token and layer: kv_heads * head_dim under GQA; None = hidden (MHA)
+    max_model_len: int = 4096
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.hidden * 2  # K and V, fp16, MHA (LLaMA-1/2 7B/13B have no GQA)
+        """K and V, fp16, every layer (LLaMA-1 7B/13B are MHA; Mistral-7B and Llama-3-70B use 8 KV heads)."""
+        return 2 * self.layers * (self.kv_dim or self.hidden) * 2
 
 
 GPUS = {
@@ -133,13 +159,27 @@ GPUS = {
     "a6000": GpuSpec("RTX-A6000", 154.8e12, 768e9, 48e9, 25e9,
                      "NVIDIA RTX A6000 datasheet: 309.7 TFLOP/s tensor *with sparsity* -> 154.8 dense FP16/BF16, "
                      "768 GB/s GDDR6, 48 GB; PCIe 4.0 x16 ~25 GB/s effective"),
+    "h100": GpuSpec("H100-80G-SXM", 989e12, 3.35e12, 80e9, 50e9,
+                    "NVIDIA H100 SXM datasheet: 989 TFLOP/s dense BF16 tensor, 3.35 TB/s HBM3, 80 GB; PCIe 5.0 x16 "
+                    "~50 GB/s effective; NVLink 4 900 GB/s bidirectional = 450 GB/s per direction",
+                    link_bw=450e9),
 }
 LLMS = {
     "llama7b": LlmSpec("LLaMA-7B", 6.74e9, 32, 4096, "LLaMA paper (Touvron et al. 2023) Table 2: 6.7B params, "
                        "32 layers, d_model 4096, 32 heads (MHA)"),
     "llama13b": LlmSpec("LLaMA-13B", 13.0e9, 40, 5120, "LLaMA paper Table 2: 13.0B params, 40 layers, d_model 5120, "
                         "40 heads (MHA)"),
+    "mistral7b": LlmSpec("Mistral-7B", 7.24e9, 32, 4096, "Mistral 7B paper (Jiang et al. 2023) Table 1: 7.24B "
+                         "params, 32 layers, dim 4096, 32 heads, 8 KV heads x head_dim 128 (GQA); v0.2 window "
+                         "32k", kv_dim=1024, max_model_len=32768),
+    "llama3-70b": LlmSpec("Llama-3-70B", 70.6e9, 80, 8192, "Meta Llama 3 model card: 70.6B params, 80 layers, "
+                          "dim 8192, 64 heads, 8 KV heads x head_dim 128 (GQA), 8k context", kv_dim=1024,
+                          max_model_len=8192),
 }
+# (llm, gpu, tensor-parallel degree) of the generated files: the Parrot paper's LLaMA on A100 / A6000, and Preble
+# 5.1's Mistral-7B on A6000 and Llama-3-70B on H100 with 4-GPU tensor parallelism (one engine = 4 GPUs)
+GENERATED = (("llama7b", "a100", 1), ("llama7b", "a6000", 1), ("llama13b", "a100", 1), ("llama13b", "a6000", 1),
+             ("mistral7b", "a6000", 1), ("mistral7b", "h100", 1), ("llama3-70b", "h100", 4))
 # Efficiency factors (fractions of peak) -- assumptions, not measurements; stated in every generated file.
 EFFICIENCY = {
     "gemm": 0.6,  # large-batch prefill GEMMs in fp16 reach ~50-70% of tensor peak
@@ -150,40 +190,53 @@ EFFICIENCY = {
 ITER_OVERHEAD_S = 0.003  # per-iteration CPU/scheduling + kernel-launch overhead of a Python serving engine (vLLM)
 GPU_MEM_UTILIZATION = 0.9  # vLLM default gpu_memory_utilization
 ACTIVATION_RESERVE = 3e9  # bytes kept for activations / CUDA context
+ALLREDUCE_LATENCY_S = 8e-6  # one small NCCL all-reduce over NVLink (latency floor; 2 per layer per iteration)
 
 
-def roofline_model(llm: str, gpu: str) -> CostModel:
+def roofline_model(llm: str, gpu: str, tp: int = 1) -> CostModel:
+    """The cost model of ``llm`` on ``tp`` GPUs of kind ``gpu`` (tensor parallelism: weights, KV and FLOPs split
+    ``tp`` ways; each layer adds two all-reduces of the hidden state: a latency floor per iteration plus
+    ``2 (tp-1)/tp`` of the activation bytes per token over the GPU link, Megatron-style)."""
     m, g = LLMS[llm], GPUS[gpu]
+    if tp < 1 or (tp > 1 and g.link_bw <= 0):
+        raise ValueError(f"tensor parallelism {tp} needs tp >= 1 and a GPU link ({g.name} has none)")
     weight_bytes = 2 * m.params
     kv_tok = m.kv_bytes_per_token
-    kv_tokens = int((GPU_MEM_UTILIZATION * g.mem_bytes - weight_bytes - ACTIVATION_RESERVE) // kv_tok)
+    kv_tokens = int((tp * (GPU_MEM_UTILIZATION * g.mem_bytes - ACTIVATION_RESERVE) - weight_bytes) // kv_tok)
     if kv_tokens < 2048:
-        raise ValueError(f"{m.name} does not fit on {g.name} with room for KV")
+        raise ValueError(f"{m.name} does not fit on {tp}x {g.name} with room for KV")
     e = EFFICIENCY
     block = 16
+    ar_s = 2 * m.layers * ALLREDUCE_LATENCY_S if tp > 1 else 0.0
+    ar_token_s = 2 * m.layers * 2 * (tp - 1) / tp * m.hidden * 2 / g.link_bw if tp > 1 else 0.0
+    gemm_token_s = 2 * m.params / (tp * g.peak_flops * e["gemm"]) + ar_token_s
+    tp_note = (f"; {tp}-way tensor parallel: 2 all-reduces per layer, {ALLREDUCE_LATENCY_S * 1e6:.0f} us each in "
+               f"base_s and 2(tp-1)/tp * hidden * 2 bytes per token over {g.link_bw / 1e9:.0f} GB/s in the per-token "
+               "terms" if tp > 1 else "")
     model = CostModel(
-        name=f"{llm}-{gpu}",
-        base_s=weight_bytes / (g.mem_bw * e["weights_bw"]) + ITER_OVERHEAD_S,
-        prefill_token_s=2 * m.params / (g.peak_flops * e["gemm"]),
-        prefill_attn_s=4 * m.layers * m.hidden / (g.peak_flops * e["attn"]),
-        decode_seq_s=2 * m.params / (g.peak_flops * e["gemm"]),
-        decode_ctx_s=kv_tok / (g.mem_bw * e["kv_bw"]),
-        swap_block_s=block * kv_tok / g.pcie_bw,
-        kv_cache_tokens=kv_tokens, block_size=block, max_batch_tokens=4096, max_num_seqs=256, max_model_len=4096,
+        name=f"{llm}-{gpu}" + (f"-tp{tp}" if tp > 1 else ""),
+        base_s=weight_bytes / tp / (g.mem_bw * e["weights_bw"]) + ITER_OVERHEAD_S + ar_s,
+        prefill_token_s=gemm_token_s,
+        prefill_attn_s=4 * m.layers * m.hidden / (tp * g.peak_flops * e["attn"]),
+        decode_seq_s=gemm_token_s,
+        decode_ctx_s=kv_tok / tp / (g.mem_bw * e["kv_bw"]),
+        swap_block_s=block * kv_tok / (tp * g.pcie_bw),
+        kv_cache_tokens=kv_tokens, block_size=block, max_batch_tokens=4096, max_num_seqs=256,
+        max_model_len=m.max_model_len,
         source={
             "gpu": g.source, "model": m.source,
-            "base_s": f"weight bytes 2*params / (mem_bw * {e['weights_bw']}) + {ITER_OVERHEAD_S * 1e3:.0f} ms "
-                      "per-iteration engine overhead (assumed)",
-            "prefill_token_s": f"2*params FLOPs per token / (peak * {e['gemm']})",
-            "prefill_attn_s": f"4*layers*hidden FLOPs per query-key pair (QK^T and PV) / (peak * {e['attn']})",
+            "base_s": f"weight bytes 2*params / tp / (mem_bw * {e['weights_bw']}) + {ITER_OVERHEAD_S * 1e3:.0f} ms "
+                      "per-iteration engine overhead (assumed)" + tp_note,
+            "prefill_token_s": f"2*params FLOPs per token / (tp * peak * {e['gemm']})",
+            "prefill_attn_s": f"4*layers*hidden FLOPs per query-key pair (QK^T and PV) / (tp * peak * {e['attn']})",
             "decode_seq_s": "same GEMM cost per decoded token as prefill (linear approximation of the roofline: "
                             "sum of memory and compute terms, an upper bound of max())",
-            "decode_ctx_s": f"KV bytes per token 2*layers*hidden*2 = {kv_tok} / (mem_bw * {e['kv_bw']})",
-            "swap_block_s": "block KV bytes / PCIe bandwidth",
-            "kv_cache_tokens": f"({GPU_MEM_UTILIZATION} * GPU memory - weights - {ACTIVATION_RESERVE / 1e9:.0f} GB "
-                               "activations) / KV bytes per token (vLLM-style sizing)",
+            "decode_ctx_s": f"KV bytes per token 2*layers*kv_dim*2 = {kv_tok} / tp / (mem_bw * {e['kv_bw']})",
+            "swap_block_s": "block KV bytes / (tp * PCIe bandwidth)",
+            "kv_cache_tokens": f"(tp * ({GPU_MEM_UTILIZATION} * GPU memory - {ACTIVATION_RESERVE / 1e9:.0f} GB "
+                               "activations) - weights) / KV bytes per token (vLLM-style sizing)",
             "efficiency": "assumed fractions of peak: " + json.dumps(e),
-            "generated_by": "parrot.sim.cost_model.roofline_model",
+            "generated_by": f"parrot.sim.cost_model.roofline_model({llm!r}, {gpu!r}, tp={tp})",
         })
     return replace(model, source={**model.source, "paper_checks": paper_checks(model)})
 
@@ -200,11 +253,11 @@ def paper_checks(m: CostModel) -> str:
 
 def write_gpu_models(directory: Path = MODELS_DIR) -> list[Path]:
     out = []
-    for llm in LLMS:
-        for gpu in GPUS:
-            p = directory / f"{llm}-{gpu}.json"
-            roofline_model(llm, gpu).save(p)
-            out.append(p)
+    for llm, gpu, tp in GENERATED:
+        model = roofline_model(llm, gpu, tp)
+        p = directory / f"{model.name}.json"
+        model.save(p)
+        out.append(p)
     return out
 
 

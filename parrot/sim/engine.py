@@ -26,7 +26,9 @@ from parrot.common.errors import EngineError
 from parrot.engine.core import Command, EngineCore
 from parrot.engine.interface import EngineStatus
 from parrot.engine.kv_cache.block_pool import BlockPool
+from parrot.engine.kv_cache.host_store import HostStore
 from parrot.engine.scheduler.scheduler import Scheduler
+from parrot.engine.scheduler.tool_handling import ToolPolicy, tool_policy as named_tool_policy
 from parrot.sim.cost_model import CostModel
 from parrot.sim.runner import SimRunner
 from parrot.sim.tokenizer import OutputLengths, WordTokenizer
@@ -39,20 +41,28 @@ class SimEngine(EngineCore):
                  output_lengths: OutputLengths = OutputLengths(), vocab_size: int = 32000,
                  enable_prefix_cache: bool = True, shared_prefix_attention: bool = True,
                  clock: Callable[[], float] | None = None, profiled: bool = True,
-                 local_policy: str = "fcfs") -> None:
+                 local_policy: str = "fcfs", tool_policy: str | ToolPolicy | None = None,
+                 swap_space_blocks: int | None = None, tool_pause_ttl_s: float | None = None) -> None:
         """Create inside the running (virtual) loop; ``clock`` defaults to that loop's time. ``profiled``: the
         engine's step-time statistics start from its cost model's profile grid (:func:`seed_step_stats`), as a
-        real engine warmed up over several batch shapes; otherwise they start empty and learn from its steps."""
+        real engine warmed up over several batch shapes; otherwise they start empty and learn from its steps.
+        ``tool_policy``: a name of ``TOOL_POLICIES`` or a ToolPolicy (None: pauses are preserved, FCFS);
+        ``swap_space_blocks``: host slots for swapped KV (None: as many as the pool has blocks; 0: no swap);
+        ``tool_pause_ttl_s``: see EngineCore."""
         self._loop = asyncio.get_running_loop()
         pool = BlockPool(-(-cost.kv_cache_tokens // cost.block_size), cost.block_size,
                          enable_prefix_cache=enable_prefix_cache)
         runner = SimRunner(cost, random.Random(f"{seed}:{name}"), output_lengths,
                            shared_prefix_attention=shared_prefix_attention)
+        policy = named_tool_policy(tool_policy) if isinstance(tool_policy, str) else tool_policy
+        slots = pool.num_blocks if swap_space_blocks is None else swap_space_blocks
         super().__init__(name=name, model_name=model_name, runner=runner, pool=pool,
                          scheduler=Scheduler(pool, cost.max_num_seqs, cost.max_batch_tokens,
-                                             local_policy=local_policy),
+                                             local_policy=local_policy, tool_policy=policy,
+                                             host=HostStore(slots) if slots else None),
                          tokenizer=WordTokenizer(vocab_size), max_model_len=cost.max_model_len,
-                         clock=clock or self._loop.time, cached_status=False, computes_logits=False)
+                         clock=clock or self._loop.time, cached_status=False, computes_logits=False,
+                         tool_pause_ttl_s=tool_pause_ttl_s)
         self.runner: SimRunner = runner
         self.cost = cost
         if profiled:

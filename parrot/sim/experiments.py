@@ -30,6 +30,7 @@ from parrot.sim.cluster import ClusterConfig, SimCluster
 from parrot.sim.cost_model import load_model
 from parrot.sim.vloop import run_virtual
 from parrot.sim import workloads as W
+from parrot.sim.tool_experiments import tools
 
 log = logging.getLogger(__name__)
 
@@ -403,7 +404,9 @@ def speed(quick: bool = False, seed: int = 0, n_requests: int | None = None, eng
 # ---- validation against real app_bench runs -------------------------------------------------------------------------
 def validate(real: list[str], cost_model: str = "this-machine", policy: str = "least-loaded", seed: int = 0) -> str:
     """Simulate the configurations of real ``parrot.bench.app_bench`` JSON files with ``cost_model``; print the
-    simulated vs measured end-to-end latencies and the relative error (the issue asks for <= 25%)."""
+    simulated vs measured end-to-end latencies and the relative error (issue 22 asks for <= 15%). The Parrot
+    client is app_bench's (each step submitted with its inputs as values, then one get), and the client's HTTP
+    calls cost what ``cost_model`` measured (``api_call_s`` / ``api_completion_s``, ``parrot profile``)."""
     paths = [p for pat in real for p in sorted(glob.glob(pat))]
     if not paths:
         raise SystemExit(f"validate: no file matches {real}")
@@ -424,7 +427,7 @@ def validate(real: list[str], cost_model: str = "this-machine", policy: str = "l
                                 latency_cap_tokens=2048, throughput_cap_tokens=65536)
             for mode in ("baseline", "parrot"):
                 async def body(c: SimCluster, mode=mode):
-                    return await c.run_app(app, mode), sum(e.busy_s for e in c.engines)
+                    return await c.run_app(app, mode, inline_inputs=True), sum(e.busy_s for e in c.engines)
 
                 sim, busy = _run(cfg, body)
                 real_s = row[f"{mode}_s"]
@@ -433,15 +436,15 @@ def validate(real: list[str], cost_model: str = "this-machine", policy: str = "l
                 implied = (real_s - (sim - busy)) / busy if busy > 0 else float("nan")
                 rows.append([f"{row['app']} x{row['chunks']} len{row['output_len']}", mode, real_s, sim,
                              f"{(sim - real_s) / real_s:+.0%}", busy, implied])
-    within = sum(abs(r[3] - r[2]) / r[2] <= 0.25 for r in rows)
+    within = sum(abs(r[3] - r[2]) / r[2] <= 0.15 for r in rows)
     return (format_table(["config", "mode", "real s", "sim s", "error", "sim engine s", "implied real/sim engine"],
                          rows, title=f"[validate] simulator ({cost_model}, policy {policy}) vs real app_bench runs")
-            + f"\n  {within}/{len(rows)} within 25%")
+            + f"\n  {within}/{len(rows)} within 15%")
 
 
 EXPERIMENTS = {"map_reduce": map_reduce, "multi_chain": multi_chain, "gpts": gpts, "multi_agent": multi_agent,
                "mixed": mixed,
-               "mixed_cpu": mixed_cpu, "speed": speed}
+               "mixed_cpu": mixed_cpu, "speed": speed, "tools": tools}
 
 
 def main(argv: list[str] | None = None) -> int:

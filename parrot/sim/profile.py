@@ -3,6 +3,9 @@
 Runs the real engine (model load included, ~1-2 minutes on 2 cores): prefill iterations of several chunk sizes
 after several context lengths, and decode iterations at several batch sizes and context lengths; then a
 non-negative least-squares fit of :class:`~parrot.sim.cost_model.CostModel` (linear in tokens, Preble §2.1).
+Then the same engine behind the real server (the in-process one of ``P.local``) for the client's per-call
+cost outside the engine (:func:`measure_api`: ``api_call_s``, ``api_completion_s``), which the simulated cluster
+charges per client call.
 Writes ``parrot/sim/cost_models/this-machine.json`` (or ``--out``) with the samples' fit error in ``source``.
 This module imports torch only inside :func:`profile_engine` (the engine needs it; the simulator does not).
 """
@@ -20,6 +23,108 @@ from dataclasses import dataclass
 from parrot.sim.cost_model import CostModel, Sample, fit_coefficients, fit_report
 
 log = logging.getLogger(__name__)
+
+
+API_CALLS = 12  # calls per kind in measure_api (the median is kept)
+
+
+@dataclass(frozen=True)
+class ApiCosts:
+    api_call_s: float  # median wall time of one Parrot API call (create a variable with a value; get a ready one)
+    api_completion_s: float  # median wall time of a 1-token /v1/completions call minus its engine time (modelled)
+    note: str
+
+
+SWAP_TOKENS = 1024  # context swapped out per round of measure_swap
+
+
+def measure_swap(engine, tokens: int = SWAP_TOKENS, rounds: int = 3) -> tuple[float | None, str]:
+    """The runner's measured rate (bytes/s) of copying a paused context's KV blocks out to the host store, as a
+    tool pause under the swap handling does (``rounds`` pauses of ``tokens`` tokens after one unmeasured round
+    that allocates the host store); (None, why) when the engine cannot swap."""
+    from parrot.engine.interface import ToolHint
+    from parrot.engine.scheduler.tool_handling import ToolPolicy
+
+    runner, sch = engine.runner, engine.scheduler
+    if sch.kv.host is None or not hasattr(runner, "copy_bytes_per_s"):
+        return None, "not measured (the engine has no swap space)"
+    policy = sch.tool_policy
+    sch.tool_policy = ToolPolicy("profile-swap", handling="swap", ranking="fcfs")  # the engine is idle here
+    rng = random.Random(7)
+    n = max(engine.pool.block_size, min(tokens, engine.max_model_len - 8,
+                                        engine.pool.num_blocks * engine.pool.block_size // 2))
+    try:
+        for i in range(rounds + 1):
+            if i == 1:
+                runner.copy_bytes_per_s = None  # the first round allocated the host store: not a copy rate
+            ctx, tick = f"profile-swap-{i}", f"profile-swap-tick-{i}"
+            engine.fill([rng.randrange(300, 20000) for _ in range(n)], ctx).result()
+            engine.pause_context(ctx, ToolHint("profile", 60.0)).result()
+            engine.fill([1, 2, 3], tick).result()  # a plan runs, and the planned copies with it
+            engine.free_context(tick).result()
+            engine.free_context(ctx).result()
+    finally:
+        sch.tool_policy = policy
+    rate = runner.copy_bytes_per_s
+    if rate is None:
+        return None, "not measured (no copy ran)"
+    return rate, (f"measured {time.strftime('%Y-%m-%d')}: the ModelRunner's block copy out to the host store, "
+                  f"{rounds} pauses of {n} tokens ({runner.kv_bytes_per_token} KV bytes per token), EMA "
+                  f"{rate / 1e9:.2f} GB/s")
+
+
+def measure_api(engine, model: CostModel, calls: int = API_CALLS) -> ApiCosts:
+    """Serve ``engine`` (a started builtin engine; not shut down here) with the real server app in this process
+    and time a client's calls over HTTP on this machine: Parrot API calls that do no engine work, and 1-token
+    completions whose engine share (a prefill of the prompt, priced by ``model``) is subtracted. A per-call cost
+    of tens of ms here is the network stack (e.g. Nagle's algorithm meeting delayed ACKs on a socket without
+    TCP_NODELAY), not Python."""
+    import asyncio
+
+    from parrot.api.app import create_app
+    from parrot.api.settings import ServerSettings
+    from parrot.bench.baseline_client import BaselineClient
+    from parrot.engine.local_client import LocalEngineClient
+    from parrot.frontend.client import Session
+    from parrot.frontend.local import LocalServer
+
+    server = LocalServer(create_app(ServerSettings(), [LocalEngineClient(engine, owns_engine=False)]))
+    try:
+        session = Session(server.url)
+        try:
+            api: list[float] = []
+            session.create_variable("warm", "x")  # the connection's first call (setup) is not what we measure
+            for i in range(calls):
+                t = time.perf_counter()
+                var = session.create_variable(f"v{i}", f"value {i}")
+                api.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                session.poll_variable(var, None, 0.0)
+                api.append(time.perf_counter() - t)
+        finally:
+            session.close()
+
+        async def completions() -> list[float]:
+            out = []
+            async with BaselineClient(server.url, latency_ms=(0.0, 0.0)) as client:
+                await client.acomplete("warm up", max_tokens=1, ignore_eos=True)
+                for i in range(calls):
+                    prompt = f"Call {i}: say one word."
+                    engine_s = model.prefill_s(len(engine.tokenizer.encode(prompt)) + 1)
+                    t = time.perf_counter()
+                    await client.acomplete(prompt, max_tokens=1, ignore_eos=True)
+                    out.append(max(0.0, time.perf_counter() - t - engine_s))
+            return out
+
+        comp = asyncio.run(completions())
+    finally:
+        server.stop()
+    return ApiCosts(statistics.median(api), statistics.median(comp),
+                    f"median of {len(api)} Parrot API calls (POST variables with a value, GET of a ready one): "
+                    f"{statistics.median(api) * 1e3:.1f} ms (min {min(api) * 1e3:.1f}, max {max(api) * 1e3:.1f}); "
+                    f"median of {len(comp)} 1-token /v1/completions calls minus the modelled engine time: "
+                    f"{statistics.median(comp) * 1e3:.1f} ms (min {min(comp) * 1e3:.1f}, max {max(comp) * 1e3:.1f}); "
+                    "in-process server (parrot.frontend.local.LocalServer), frontend httpx client, 127.0.0.1")
 
 
 @dataclass(frozen=True)
@@ -130,9 +235,16 @@ def profile_engine(settings=None, plan: ProfilePlan = ProfilePlan(), seed: int =
                                   "samples",
             "samples": [[s.prefill_tokens, s.prefill_attn, s.decode_seqs, s.decode_ctx, round(s.seconds, 6)]
                         for s in samples],
-            "swap_block_s": "not measured (the builtin engine preempts by recompute, it does not swap)",
+            "swap_block_s": "0: swaps are timed by swap_bytes_per_s x kv_bytes_per_token (the builtin engine "
+                            "preempts by recompute; it swaps only tool pauses)",
         }
-        model = CostModel.from_dict({**model.to_dict(), "source": source})
+        api = measure_api(engine, model)
+        source["api_call_s"] = source["api_completion_s"] = api.note
+        swap_rate, source["swap_bytes_per_s"] = measure_swap(engine)
+        swap = {"swap_bytes_per_s": swap_rate, "kv_bytes_per_token": engine.runner.kv_bytes_per_token} \
+            if swap_rate else {}
+        model = CostModel.from_dict({**model.to_dict(), "api_call_s": api.api_call_s,
+                                     "api_completion_s": api.api_completion_s, **swap, "source": source})
         return model, samples
     finally:
         engine.shutdown()

@@ -10,7 +10,9 @@ Cost of a plan (see :mod:`parrot.sim.cost_model`): prefill chunks count their to
 decode rows (one new token at the end of the context) count D and the context tokens C their attention reads.
 With shared-prefix attention (the builtin engine's kernel, paper §7) decode rows whose block tables begin with
 the same blocks read that prefix once per group -- the ModelRunner's own grouping rule,
-:func:`parrot.engine.decode_groups.shared_prefix_groups`.
+:func:`parrot.engine.decode_groups.shared_prefix_groups`. The host<->pool block copies of tool pauses
+(``BatchPlan.copies``) cost ``CostModel.swap_s`` per block (bytes / the model's copy rate), added to the
+iteration: the batch waits for them.
 """
 
 from __future__ import annotations
@@ -47,11 +49,18 @@ class SimRunner:
         self.shared_prefix_attention = shared_prefix_attention
         self.min_shared_blocks = min_shared_blocks(min_shared_tokens, cost.block_size)
         self.num_shared_prefix_rows = 0  # decode rows that read a shared prefix once per group (a metric)
+        # what the engine core weighs swaps with (EngineToolCosts): the model's copy rate, and the KV bytes per
+        # token that make its swap time (effective bytes when the model states a time per block)
+        self.copy_bytes_per_s = cost.swap_bytes_per_s
+        self.default_copy_bytes_per_s = cost.swap_bytes_per_s
+        self.kv_bytes_per_token = max(1, round(cost.swap_token_s * cost.swap_bytes_per_s))
+        self.num_copied_blocks = 0
         # generation length of each op, drawn at its first token; dropped with the op
         self._targets: weakref.WeakKeyDictionary[Op, int] = weakref.WeakKeyDictionary()
 
     # ---- outputs -------------------------------------------------------------------------------------------------
     def execute(self, plan: BatchPlan) -> StepOutput:
+        self.num_copied_blocks += len(plan.copies.swap_out) + len(plan.copies.swap_in)
         computed, last_hidden, sampled = [], [], []
         for ch in plan.chunks:
             ctx = ch.op.ctx
@@ -76,7 +85,11 @@ class SimRunner:
 
     # ---- time ------------------------------------------------------------------------------------------------------
     def cost_s(self, plan: BatchPlan) -> float:
-        """Seconds the plan's iteration takes on the modelled engine."""
+        """Seconds the plan's iteration takes on the modelled engine (its block copies included)."""
+        copies = len(plan.copies.swap_out) + len(plan.copies.swap_in)
+        return self._compute_s(plan) + (self.cost.swap_s(copies) if copies else 0.0)
+
+    def _compute_s(self, plan: BatchPlan) -> float:
         p = d = c = sample_only = 0
         a = 0.0
         decodes: list[Chunk] = []

@@ -29,6 +29,13 @@ Invariants (:meth:`KVManager.check` asserts them):
 * I5 KV is never shared while writable: a block from index ``num_computed // bs`` on (the partial tail and the
   blocks allocated ahead) has refcount 1 and is not registered in the prefix cache.
 
+Host swap space (a :class:`~parrot.engine.kv_cache.host_store.HostStore`, optional): :meth:`KVManager.swap_out`
+plans copies of a context's full computed blocks to host slots (then frees the context's KV), and
+:meth:`KVManager.match_prefix` continues the pool's cached run with blocks the host store holds, copied back into
+fresh pool blocks. Both only *plan* copies (:meth:`KVManager.take_copies`); the runner performs every swap-out of
+a plan, then every swap-in, before the plan's forward, so a block freed by a swap-out and reallocated in the
+same plan is copied out before anything writes it, and a swapped-in block counts as computed at once.
+
 No torch: the K/V tensors live in the runner; this module only moves block ids.
 """
 
@@ -39,6 +46,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from parrot.engine.kv_cache.block_pool import BlockPool, OutOfBlocks, chain_hashes
+from parrot.engine.kv_cache.host_store import HostStore
 
 if TYPE_CHECKING:
     from parrot.engine.context import Context
@@ -62,6 +70,18 @@ class KVBlocks:
 
 NO_BLOCKS = KVBlocks()
 
+
+@dataclass(frozen=True, slots=True)
+class KVCopies:
+    """Copies the runner performs before a plan's forward, in this order: ``swap_out`` (pool block, host slot)
+    pairs, then ``swap_in`` (host slot, pool block) pairs."""
+
+    swap_out: tuple[tuple[int, int], ...] = ()
+    swap_in: tuple[tuple[int, int], ...] = ()
+
+
+NO_COPIES = KVCopies()
+
 # (context, table index of its first matchable block, length of the cached run from there) -> how many of those
 # blocks to take (0..run): the engine core's rule for contexts whose op needs more than KV from the prefix cache
 MatchLimit = Callable[["Context", int, int], int]
@@ -70,11 +90,18 @@ MatchLimit = Callable[["Context", int, int], int]
 class KVManager:
     """Owns the block pool and every context's KV state; no other code writes either."""
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: BlockPool, host: HostStore | None = None) -> None:
         self.pool = pool
         self.block_size = pool.block_size
+        self.host = host if host is not None and host.num_slots > 0 else None  # swap space (None: no swapping)
         self._pins: dict[int, list[int]] = {}  # last chain hash of a pinned prefix -> its pinned blocks
         self._match_limit: MatchLimit | None = None
+        self._swap_out: list[tuple[int, int]] = []  # planned copies, taken with the next plan (take_copies)
+        self._swap_in: list[tuple[int, int]] = []
+        # chain hash of the last full block of paused contexts -> their ids, oldest pause first: a context whose
+        # computed prefix reaches that block continues one of them (the engine then drops that pause); covered()
+        self.pause_keys: dict[int, list[str]] = {}
+        self._covered: list[tuple[Context, str]] = []
 
     def set_match_limit(self, limit: MatchLimit | None) -> None:
         """Install the rule :meth:`match_prefix` asks before taking cached blocks (None: take the whole run). The
@@ -103,27 +130,47 @@ class KVManager:
 
     def match_prefix(self, ctx: Context) -> KVBlocks:
         """Extend ``ctx``'s computed prefix with the longest cached run of its next full token blocks; returns the
-        blocks taken (their tokens count as computed). Only at a block boundary with nothing allocated ahead, so
-        matched blocks extend the table directly; the installed match limit (:meth:`set_match_limit`) may take
-        fewer."""
+        blocks taken (their tokens count as computed). A block the pool does not cache but the host store holds
+        is copied back into a fresh pool block (a planned swap-in; the run stops where the pool has no block
+        left for it). Only at a block boundary with nothing allocated ahead, so matched blocks extend the table
+        directly; the installed match limit (:meth:`set_match_limit`) may take fewer."""
         n = self.prefix_hit_blocks(ctx)
         if not n:
             return NO_BLOCKS
-        table, bs = ctx.block_table, self.block_size
-        hit = tuple(self.pool.match(ctx.block_hashes(len(table) + n, bs)[len(table):]))
-        assert len(hit) == n, "the cached run changed between prefix_hit_blocks and match"
-        table += hit
+        table, bs, pool = ctx.block_table, self.block_size, self.pool
+        hashes = ctx.block_hashes(len(table) + n, bs)[len(table):]
+        hit: list[int] = []
+        for h in hashes:
+            got = pool.match([h])
+            if not got:
+                slot = self.host.take(h) if self.host is not None else None
+                if slot is None:
+                    break
+                try:
+                    got = pool.allocate(1)
+                except OutOfBlocks:
+                    break
+                self._swap_in.append((slot, got[0]))
+                pool.register(got[0], h)
+            hit += got
+        table += tuple(hit)
         _write(ctx, table, len(table) * bs, len(table))
-        return KVBlocks(hit)
+        self._note_covered(ctx, hashes[:len(hit)])
+        return KVBlocks(tuple(hit))
 
     def prefix_hit_blocks(self, ctx: Context) -> int:
-        """How many blocks :meth:`match_prefix` would take for ``ctx`` now (the cached run of its next full blocks,
-        cut by the match limit); changes nothing. The scheduler's local policy reads it to rank waiting ops."""
+        """How many blocks :meth:`match_prefix` would take for ``ctx`` now (the run of its next full blocks the
+        pool caches or the host store holds, cut by the match limit); changes nothing. The scheduler's local policy
+        reads it to rank waiting ops."""
         table, bs = ctx.block_table, self.block_size
         have = len(table)
         if ctx.num_computed != have * bs or len(ctx.tokens) // bs <= have:
             return 0
-        run = self.pool.cached_run(ctx.block_hashes(len(ctx.tokens) // bs, bs)[have:])
+        hashes = ctx.block_hashes(len(ctx.tokens) // bs, bs)[have:]
+        run = self.pool.cached_run(hashes)
+        if self.host is not None:
+            while run < len(hashes) and (hashes[run] in self.host or self.pool.cached_run(hashes[run:run + 1])):
+                run += 1
         if run and self._match_limit is not None:
             run = max(0, min(run, self._match_limit(ctx, have, run)))
         return run
@@ -151,6 +198,64 @@ class KVManager:
         self.pool.release(ctx.block_table)
         _write(ctx, (), 0, 0)
 
+    # ---- tool pauses (swap space) ------------------------------------------------------------------------------
+    def swap_out(self, ctx: Context) -> int:
+        """Plan copies of ``ctx``'s full computed blocks to the host store (blocks it already holds are only
+        touched), then drop ``ctx``'s KV (:meth:`free`). Returns the blocks the store holds for ``ctx`` (the
+        leading run: it stops at the first block the store has no room for)."""
+        if self.host is None:
+            self.free(ctx)
+            return 0
+        n_full = ctx.num_computed // self.block_size
+        hashes = ctx.block_hashes(n_full, self.block_size)
+        stored = 0
+        for b, h in zip(ctx.block_table[:n_full], hashes):
+            got = self.host.put(h)
+            if got is None:
+                break
+            slot, copy = got
+            if copy:
+                self._swap_out.append((b, slot))
+            stored += 1
+        self.free(ctx)
+        return stored
+
+    def host_room(self, ctx: Context) -> bool:
+        """Whether the host store could take all of ``ctx``'s full computed blocks now."""
+        if self.host is None:
+            return False
+        n_full = ctx.num_computed // self.block_size
+        missing = sum(1 for h in ctx.block_hashes(n_full, self.block_size) if h not in self.host)
+        return missing <= self.host.num_available
+
+    def take_copies(self) -> KVCopies:
+        """The copies planned since the last call (for the plan about to run); swap-in sources stay locked until
+        :meth:`copies_done`."""
+        if not self._swap_out and not self._swap_in:
+            return NO_COPIES
+        out = KVCopies(tuple(self._swap_out), tuple(self._swap_in))
+        self._swap_out.clear()
+        self._swap_in.clear()
+        return out
+
+    def copies_done(self) -> None:
+        """The runner performed the copies of the last plan."""
+        if self.host is not None:
+            self.host.unlock_all()
+
+    def covered(self) -> list[tuple[Context, str]]:
+        """(context, paused context id) for each context whose computed prefix reached a paused context's last
+        full block since the last call (a resume by prefix match); clears the list."""
+        out, self._covered = self._covered, []
+        return out
+
+    def _note_covered(self, ctx: Context, hashes: Sequence[int]) -> None:
+        if self.pause_keys:
+            for h in hashes:
+                pid = next((p for p in self.pause_keys.get(h, ()) if p != ctx.id), None)
+                if pid is not None:
+                    self._covered.append((ctx, pid))
+
     # ---- the engine core's calls -------------------------------------------------------------------------------
     def fork(self, parent: Context, child: Context) -> None:
         """Give ``child`` (a new context holding a copy of the parent's tokens, no KV yet) the parent's full
@@ -172,6 +277,7 @@ class KVManager:
             hashes = ctx.block_hashes(n_full, self.block_size)
             for i in range(registered, n_full):
                 self.pool.register(ctx.block_table[i], hashes[i])
+            self._note_covered(ctx, hashes[registered:n_full])
             registered = n_full
         _write(ctx, ctx.block_table, computed, registered)
 

@@ -16,16 +16,38 @@ never preempts a running one. The pool is never over-committed and KV is never s
 
 The scheduler chooses *whose* KV to allocate, match, evict or drop; its :class:`KVManager` does it (the one writer
 of block tables and computed prefixes) and hands back frozen records. The engine core shares that manager.
+
+Tool calls (LAMPS / INFERCEPT; :mod:`parrot.engine.scheduler.tool_handling`): a context paused while its tool
+runs is held here (:meth:`Scheduler.pause`, a :class:`~parrot.engine.kv_cache.tool_pauses.PauseTable`) with the
+handling its :class:`ToolPolicy` picks: ``predicted`` (LAMPS: chosen when its generate was queued, from the
+op's hint), ``dynamic`` (INFERCEPT: min waste at the pause from the actual sizes) or a fixed one. Under KV
+pressure, after the idle contexts, preserved pauses are demoted (to swap if the host store has room, else
+discard) before the KV of waiting ops and before any running op is preempted. With the ``memory_time`` ranking
+(the lamps policy, unless another local policy is chosen; or ``local_policy="lamps"``) waiting ops are admitted
+by LAMPS' score (:func:`memory_time`, starving ops first: :class:`LampsRanker`) instead of FCFS; a generate
+whose request already started here (its prompt was filled and computed) is the running request's next phase and
+goes before them. A plan carries
+the host<->pool copies planned since the previous one (``BatchPlan.copies``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parrot.engine.context import Context, Op, OpStatus
+from parrot.engine.context import Context, Op, OpKind, OpStatus
+from parrot.engine.interface import ToolHint
 from parrot.engine.kv_cache.block_pool import BlockPool
-from parrot.engine.kv_cache.manager import KVManager
+from parrot.engine.kv_cache.host_store import HostStore
+from parrot.engine.kv_cache.manager import NO_COPIES, KVCopies, KVManager
+from parrot.engine.kv_cache.tool_pauses import PausedContext, PauseTable
+from parrot.engine.scheduler.lamps import LampsRanker
 from parrot.engine.scheduler.local_policy import LOCAL_POLICIES, admission_order
+from parrot.engine.scheduler.tool_handling import (FixedCosts, Handling, ToolCosts, ToolPolicy, choose_handling,
+                                                   memory_time)
+
+DEFAULT_OUTPUT_TOKENS = 64  # a generate's predicted output before the engine has seen any finish
+# ToolCosts before the engine core installs its measured ones (a small model on one CPU core)
+DEFAULT_COSTS = FixedCosts(fwd_per_token_s=1e-3, swap_per_token_s=2e-6, decode_step_s=0.03)
 
 
 @dataclass(frozen=True)
@@ -42,6 +64,7 @@ class Chunk:
 class BatchPlan:
     chunks: tuple[Chunk, ...]
     preempted: tuple[Op, ...] = ()
+    copies: KVCopies = NO_COPIES  # host<->pool block copies the runner performs before the forward
 
     @property
     def num_tokens(self) -> int:
@@ -58,14 +81,26 @@ class TooLargeForPool(Exception):
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_batch_tokens: int, *, local_policy: str = "fcfs",
-                 priority_groups: int = 10) -> None:
-        if local_policy not in LOCAL_POLICIES:
-            raise ValueError(f"local_policy must be one of {LOCAL_POLICIES}, got {local_policy!r}")
+                 priority_groups: int = 10, tool_policy: ToolPolicy | None = None,
+                 host: HostStore | None = None) -> None:
+        """``tool_policy``: how paused contexts are handled and waiting ops ranked (None: preserve every pause,
+        FCFS); ``host``: the swap space (None: no swapping; swap choices become discard)."""
+        if local_policy not in LOCAL_POLICIES + ("lamps",):
+            raise ValueError(f"local_policy must be one of {LOCAL_POLICIES + ('lamps',)}, got {local_policy!r}")
         if priority_groups < 1:
             raise ValueError(f"priority_groups must be >= 1, got {priority_groups!r}")
         self.local_policy = local_policy
         self.priority_groups = priority_groups
-        self.kv = KVManager(pool)
+        self.tool_policy = tool_policy
+        self.kv = KVManager(pool, host)
+        ranks = local_policy == "lamps" or (
+            local_policy == "fcfs" and tool_policy is not None and tool_policy.ranking == "memory_time")
+        self.ranker: LampsRanker[int] | None = LampsRanker(
+            tool_policy.starvation_threshold if tool_policy else 100,
+            tool_policy.refresh_interval if tool_policy else 1) if ranks else None
+        self.pauses = PauseTable()
+        self.costs: ToolCosts = DEFAULT_COSTS  # the engine core installs its measured ones
+        self.mean_output_tokens: float = DEFAULT_OUTPUT_TOKENS  # the core keeps it current (finished generates)
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
         self.waiting: list[Op] = []  # kept sorted by (arrival, seq_no)
@@ -78,6 +113,9 @@ class Scheduler:
     def add(self, op: Op) -> None:
         op.set_status(OpStatus.WAITING)
         self.idle_contexts.pop(op.ctx.id, None)
+        if op.hint is not None and op.hint.tool is not None and op.handling is None \
+                and self.tool_policy is not None and self.tool_policy.handling == "predicted":
+            op.handling = self._predict_handling(op)
         self.waiting.append(op)
         self.waiting.sort(key=lambda o: o.sort_key)
 
@@ -87,6 +125,8 @@ class Scheduler:
             self.running.remove(op)
         elif op in self.waiting:
             self.waiting.remove(op)
+        if self.ranker is not None:
+            self.ranker.forget(op.seq_no)
 
     def park(self, ctx: Context) -> None:
         """A context without an active op: its KV may be evicted under pressure."""
@@ -106,12 +146,17 @@ class Scheduler:
 
     def _evict(self, need_blocks: int, keep: Context) -> None:
         """Free blocks without touching running ops: drop the KV of idle contexts (least recently used first),
-        then of contexts whose op is still waiting (youngest first; they recompute when admitted)."""
+        demote preserved pauses (latest deadline first), then drop the KV of contexts whose op is still waiting
+        (youngest first; they recompute when admitted)."""
         for ctx in sorted(self.idle_contexts.values(), key=lambda c: c.last_used):
             if self.kv.pool.num_free >= need_blocks:
                 return
             self.kv.free(ctx)
             del self.idle_contexts[ctx.id]
+        for p in self.pauses.preserved():
+            if self.kv.pool.num_free >= need_blocks:
+                return
+            self._demote(p)
         for op in reversed(self.waiting):
             if self.kv.pool.num_free >= need_blocks:
                 return
@@ -146,8 +191,9 @@ class Scheduler:
             budget -= chunk.num_tokens
 
         running_tokens = sum(len(o.ctx.tokens) for o in self.running)
-        order = admission_order(self.waiting, self.local_policy, self.priority_groups, self.cached_tokens) \
-            if self.waiting and budget > 0 and len(self.running) < self.max_num_seqs else []
+        order = self._admission_order() if self.waiting and budget > 0 and len(self.running) < self.max_num_seqs \
+            else []
+        admitted: list[Op] = []
         for op in order:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
@@ -164,12 +210,16 @@ class Scheduler:
             self.waiting.remove(op)
             op.set_status(OpStatus.RUNNING)
             self.running.append(op)
+            admitted.append(op)
             running_tokens += len(op.ctx.tokens)
             chunks.append(chunk)
             budget -= chunk.num_tokens
+        if self.ranker is not None and (admitted or self.waiting):  # LAMPS §4.4: one pass per iteration waited
+            self.ranker.after_admission((o.seq_no for o in admitted), (o.seq_no for o in self.waiting))
         # an op planned early in this iteration may have been preempted by an older one later on
         planned = tuple(c for c in chunks if c.op.status is OpStatus.RUNNING and c.op in self.running)
-        return BatchPlan(planned, tuple(preempted))
+        # copies wait for a plan that runs (an empty plan is not executed)
+        return BatchPlan(planned, tuple(preempted), self.kv.take_copies() if planned else NO_COPIES)
 
     def _plan_op(self, op: Op, budget: int, *, may_preempt: bool, preempted: list[Op]) -> Chunk | None:
         ctx = op.ctx
@@ -206,3 +256,117 @@ class Scheduler:
             preempted.append(youngest)
         reaches_end = ctx.num_computed + n == len(ctx.tokens)
         return Chunk(op, ctx.num_computed, n, sample=op.is_generate and reaches_end)
+
+    # ---- ranking (LAMPS) ---------------------------------------------------------------------------------------
+    def _admission_order(self) -> list[Op]:
+        """The local policy's order; with the memory-time ranking, LAMPS' order once any waiting op carries the
+        manager's predictions (a hint): without one there is nothing to rank by, and the order stays FCFS."""
+        if self.ranker is None or not any(o.hint is not None for o in self.waiting):
+            policy = "fcfs" if self.local_policy == "lamps" else self.local_policy
+            return admission_order(self.waiting, policy, self.priority_groups, self.cached_tokens)
+        # LAMPS ranks *requests* waiting to start (vLLM's waiting queue); a request here is a fill and then a
+        # generate on the same context, so a generate whose request already started on this engine is the running
+        # request's next phase: it goes first (FCFS among them), or its computed prompt would wait behind newer
+        # requests and be evicted and recomputed (LAMPS 4.4: prioritization continues until the request completes)
+        started = [o for o in self.waiting if _started(o)]
+        ranked = self.ranker.order([o for o in self.waiting if not _started(o)], lambda o: o.seq_no, self.score)
+        return started + ranked
+
+    def score(self, op: Op) -> float:
+        """LAMPS' rank of a waiting op: its request segment's memory over time (prompt, of which the KV already held
+        or cached costs no prefill, predicted output, the tool call's handling, with the running batch as the rest
+        of memory), lower admitted first. A fill is scored as the segment its hint describes (the generate that
+        follows it); without a hint its output is the engine's mean."""
+        hint = op.hint
+        pred = hint.predicted_output_tokens if hint is not None else None
+        out = pred if pred is not None else int(self.mean_output_tokens)
+        if op.kind is OpKind.GENERATE and op.sampling is not None:
+            out = min(out, op.sampling.max_tokens)
+        tool_s = self.pauses.expected_s(hint.tool) if hint is not None and hint.tool is not None else None
+        prompt = len(op.ctx.tokens)
+        return memory_time(prompt_tokens=prompt, output_tokens=max(0, out), tool_s=tool_s,
+                           handling=op.handling if tool_s is not None else None, costs=self.costs,
+                           other_tokens=self._running_tokens(exclude=op.ctx),
+                           cached_tokens=min(prompt, self.cached_tokens(op)))
+
+    # ---- tool pauses -------------------------------------------------------------------------------------------
+    def _allowed(self) -> tuple[Handling, ...]:
+        return tuple(Handling) if self.kv.host is not None else (Handling.PRESERVE, Handling.DISCARD)
+
+    def _running_tokens(self, exclude: Context | None = None) -> int:
+        return sum(len(o.ctx.tokens) for o in self.running if o.ctx is not exclude)
+
+    def _predict_handling(self, op: Op) -> Handling:
+        """LAMPS §4.2: the handling of the pause after ``op`` from its predictions (hint) and the batch now."""
+        assert op.hint is not None and op.hint.tool is not None
+        pred = op.hint.predicted_output_tokens
+        c = len(op.ctx.tokens) + (pred if pred is not None else int(self.mean_output_tokens))
+        other = self._running_tokens(exclude=op.ctx)
+        return choose_handling(context_tokens=c, other_tokens=other, batch_tokens=c + other,
+                               tool_s=self.pauses.expected_s(op.hint.tool), costs=self.costs,
+                               allowed=self._allowed())
+
+    def _pause_handling(self, ctx: Context, tool: ToolHint, predicted: Handling | None) -> Handling:
+        pol = self.tool_policy
+        fixed = pol.fixed_handling if pol is not None else Handling.PRESERVE
+        if fixed is None and pol is not None and pol.handling == "predicted" and predicted is not None:
+            fixed = predicted
+        if fixed is not None:
+            return fixed if fixed in self._allowed() else Handling.DISCARD
+        c, other = len(ctx.tokens), self._running_tokens(exclude=ctx)
+        return choose_handling(context_tokens=c, other_tokens=other, batch_tokens=c + other,
+                               tool_s=self.pauses.expected_s(tool), costs=self.costs, allowed=self._allowed())
+
+    def pause(self, ctx: Context, tool: ToolHint, *, now: float, ttl_s: float,
+              predicted: Handling | None = None) -> PausedContext:
+        """Hold ``ctx`` (no active op) while ``tool`` runs, with the policy's handling (``predicted``: the one its
+        last generate was queued with). Its KV is kept, swapped out (copies planned) or dropped."""
+        self.idle_contexts.pop(ctx.id, None)
+        handling = self._pause_handling(ctx, tool, predicted)
+        n_tokens, bs = len(ctx.tokens), self.kv.block_size
+        if handling is Handling.PRESERVE:
+            n_blocks = len(ctx.block_table)
+        elif handling is Handling.SWAP:
+            n_blocks = self.kv.swap_out(ctx)
+        else:
+            n_blocks = len(ctx.block_table)
+            self.kv.free(ctx)
+        n_full = n_tokens // bs
+        key = ctx.block_hashes(n_full, bs)[-1] if n_full else None
+        p = PausedContext(ctx, tool, handling, now, now + ttl_s, n_tokens, n_blocks, key)
+        self.pauses.add(p)
+        if key is not None:
+            self.kv.pause_keys.setdefault(key, []).append(ctx.id)
+        return p
+
+    def unpause(self, context_id: str, now: float, *, reason: str) -> PausedContext | None:
+        """Drop the pause record of ``context_id`` (``reason``: "resumed", "expired" or "freed"); its context is the
+        caller's to keep or free. None if it is not paused."""
+        p = self.pauses.pop(context_id, now, resumed=reason == "resumed")
+        if p is None:
+            return None
+        ids = self.kv.pause_keys.get(p.key) if p.key is not None else None
+        if ids is not None and context_id in ids:
+            ids.remove(context_id)
+            if not ids:
+                del self.kv.pause_keys[p.key]
+        if reason == "expired":
+            self.pauses.num_expired += 1
+        return p
+
+    def _demote(self, p: PausedContext) -> None:
+        """KV pressure: a preserved pause gives up its blocks (swap if the host store has room, else discard)."""
+        if self.kv.host_room(p.ctx):
+            p.num_blocks = self.kv.swap_out(p.ctx)
+            p.handling = Handling.SWAP
+        else:
+            p.num_blocks = len(p.ctx.block_table)
+            self.kv.free(p.ctx)
+            p.handling = Handling.DISCARD
+        self.pauses.num_demoted += 1
+
+
+def _started(op: Op) -> bool:
+    """A generate whose request already began on this engine: its prompt's KV is (or was, before a preemption)
+    computed here."""
+    return op.is_generate and (op.ctx.num_computed > 0 or op.num_preemptions > 0)
