@@ -7,6 +7,12 @@ submit(SubmitSpec), get_variable); baseline calls go through :class:`parrot.mana
 call) is ``asyncio.sleep`` on the virtual clock: half before the request reaches the service, half after the
 answer leaves it, one per baseline call and one per Parrot app (as in :mod:`parrot.bench.apps`).
 
+The client's own HTTP calls cost what the cost model's ``api_call_s`` / ``api_completion_s`` say (measured by
+``parrot profile`` on the machine the model describes; 0 for the GPU models): every Parrot API call the client
+makes (create a variable, submit, set a value, the answer of a get) blocks the client for ``api_call_s`` after the
+service has acted on it, and a completion's answer reaches the client ``api_completion_s`` after the engine is
+done. The client is sequential, as the real frontend is, so a later submit reaches the service later.
+
 Build a :class:`SimCluster` inside a running :class:`~parrot.sim.vloop.VirtualEventLoop`
 (:func:`parrot.sim.vloop.run_virtual`); everything is deterministic for a seed.
 """
@@ -135,25 +141,39 @@ class SimCluster:
             await self.manager.delete_session(session)
         await asyncio.sleep(trip / 2)
 
-    async def run_parrot_app(self, app: App, criteria: str = "latency", *, rtt: bool = True) -> float:
+    async def _api_call(self) -> None:
+        """The client waiting for the answer of one Parrot API call (see the module doc)."""
+        if self.cost.api_call_s > 0:
+            await asyncio.sleep(self.cost.api_call_s)
+
+    async def run_parrot_app(self, app: App, criteria: str = "latency", *, rtt: bool = True,
+                             inline_inputs: bool = False) -> float:
         """Declare the app's DAG with pending inputs, get the final output with ``criteria`` (perf deduction
-        labels every step), set the inputs, wait for the final value. Returns virtual end-to-end seconds."""
+        labels every step), set the inputs, wait for the final value. Returns virtual end-to-end seconds.
+
+        ``inline_inputs``: the client of :func:`parrot.bench.apps.run_parrot` instead -- each step is submitted
+        with its constant inputs as values (a step may start while later ones are still being submitted), and the
+        final output is fetched with ``criteria`` after the last submit."""
         t0 = self.clock()
         m = self.manager
         async with self._client_session(rtt) as session:
-            inputs, outputs = self._declare(session, [(step, f"{app.name}_{step.name}", OUT, app.output_len)
-                                                      for step in app.steps])
+            inputs, outputs = await self._declare(session, [(step, f"{app.name}_{step.name}", OUT, app.output_len)
+                                                            for step in app.steps], inline_inputs=inline_inputs)
             final = outputs[app.final]
             await m.get_variable(session, final, criteria=criteria, timeout_s=0.0)
             for var_id, text in inputs:
                 m.set_variable(session, var_id, text)
+                await self._api_call()
             await self.wait_value(session, final)
+            await self._api_call()  # the get's answer
         return self.clock() - t0
 
-    def _declare(self, session, steps) -> tuple[list[tuple[str, str]], dict[str, str]]:
+    async def _declare(self, session, steps, *, inline_inputs: bool = False
+                       ) -> tuple[list[tuple[str, str]], dict[str, str]]:
         """Submit every step of an app / workflow up front, in order: ``steps`` are (step, request name, output
-        name, output tokens); a constant input becomes a pending variable (set later), a step's input the output
-        variable of the step it names. Returns ([(input var_id, its text)], {step name: output var_id})."""
+        name, output tokens); a constant input becomes a pending variable (set later; with ``inline_inputs`` a
+        variable holding its value), a step's input the output variable of the step it names. Returns
+        ([(input var_id, its text)] still to set, {step name: output var_id})."""
         m = self.manager
         inputs: list[tuple[str, str]] = []
         outputs: dict[str, str] = {}
@@ -161,14 +181,17 @@ class SimCluster:
             holders = []
             for key, ref in step.inputs:
                 if isinstance(ref, Const):
-                    var = m.create_variable(session, key)
-                    inputs.append((var.var_id, ref.text))
+                    var = m.create_variable(session, key, ref.text if inline_inputs else None)
+                    await self._api_call()
+                    if not inline_inputs:
+                        inputs.append((var.var_id, ref.text))
                     holders.append(PlaceholderSpec(key, False, var.var_id))
                 else:
                     assert isinstance(ref, FromStep)
                     holders.append(PlaceholderSpec(key, False, outputs[ref.step]))
             holders.append(_fixed_output(out, tokens))
             outputs[step.name] = m.submit(session, SubmitSpec(step.template, holders, name=name)).outputs[0]
+            await self._api_call()
         return inputs, outputs
 
     async def run_parrot_call(self, template: str, inputs: dict[str, str], max_tokens: int, *,
@@ -177,11 +200,16 @@ class SimCluster:
         t0 = self.clock()
         m = self.manager
         async with self._client_session(rtt) as session:
-            holders = [PlaceholderSpec(k, False, m.create_variable(session, k, v).var_id) for k, v in inputs.items()]
+            holders = []
+            for k, v in inputs.items():
+                holders.append(PlaceholderSpec(k, False, m.create_variable(session, k, v).var_id))
+                await self._api_call()
             holders.append(_fixed_output(output, max_tokens))
             req = m.submit(session, SubmitSpec(template, holders))
+            await self._api_call()
             await m.get_variable(session, req.outputs[0], criteria=criteria, timeout_s=0.0)
             text = await self.wait_value(session, req.outputs[0])
+            await self._api_call()  # the get's answer
         return CallResult(self.clock() - t0, max_tokens, text)
 
     async def wait_value(self, session: SessionState, var_id: str) -> str:
@@ -201,7 +229,8 @@ class SimCluster:
         plan = await self.completions.plan_completion(CompletionSpec(self.model_name, [prompt], ChoiceSpec(
             max_tokens=max_tokens, sampling={"temperature": 0.0, "ignore_eos": ignore_eos})))
         result = await self.completions.complete(plan)
-        await asyncio.sleep(trip / 2)
+        # the answer leaves the service: its own time outside the engine (profiled), then the network
+        await asyncio.sleep(trip / 2 + self.cost.api_completion_s)
         return CallResult(self.clock() - t0, result.usage.completion_tokens, result.choices[0].text)
 
     async def run_baseline_app(self, app: App) -> float:
@@ -228,10 +257,11 @@ class SimCluster:
         await asyncio.gather(*(tasks[n] for n in finals))
         return self.clock() - t0
 
-    async def run_app(self, app: App, mode: str, criteria: str = "latency") -> float:
-        """``mode`` "parrot" (Semantic Variables) or "baseline" (request-centric client)."""
+    async def run_app(self, app: App, mode: str, criteria: str = "latency", *, inline_inputs: bool = False) -> float:
+        """``mode`` "parrot" (Semantic Variables) or "baseline" (request-centric client); ``inline_inputs``: see
+        :meth:`run_parrot_app`."""
         if mode == "parrot":
-            return await self.run_parrot_app(app, criteria)
+            return await self.run_parrot_app(app, criteria, inline_inputs=inline_inputs)
         if mode == "baseline":
             return await self.run_baseline_app(app)
         raise ValueError(f"mode must be 'parrot' or 'baseline', got {mode!r}")
@@ -243,14 +273,16 @@ class SimCluster:
         t0 = self.clock()
         m = self.manager
         async with self._client_session(True) as session:
-            inputs, outputs = self._declare(session, [(step, step.name, WF_OUT, step.max_tokens)
-                                                      for step in wf.steps])
+            inputs, outputs = await self._declare(session, [(step, step.name, WF_OUT, step.max_tokens)
+                                                            for step in wf.steps])
             for var_id in outputs.values():
                 await m.get_variable(session, var_id, criteria=criteria, timeout_s=0.0)
             for var_id, text in inputs:
                 m.set_variable(session, var_id, text)
+                await self._api_call()
             for name in wf.finals:
                 await self.wait_value(session, outputs[name])
+                await self._api_call()  # the get's answer
         return self.clock() - t0
 
     async def run_baseline_workflow(self, wf: Workflow) -> float:
