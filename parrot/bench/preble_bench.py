@@ -6,6 +6,7 @@ the global scheduler's decision speed.
     python -m parrot.bench.preble_bench speed [--requests 6000] [--engines 8]
     python -m parrot.bench.preble_bench sim [--engines 4] [--cost-model llama7b-a6000] [--workloads toolbench,...]
                                             [--rates 2,4,8] [--requests 300] [--pattern poisson|bursty]
+                                            [--scale 1 --out-scale 1 --max-out N]
     python -m parrot.bench.preble_bench ablation [--engines 4] [--rate 8] [--requests 400]
 
 ``real`` (:mod:`parrot.bench.preble_real`) runs the workloads scaled down on `parrot engine` processes (one torch
@@ -14,6 +15,8 @@ thread each, a small KV pool) behind one manager per policy. ``--json PATH`` sav
 ``sim`` runs each workload of :mod:`parrot.sim.preble_workloads` through the real manager (OpenAI completion path,
 no declared structure) over N simulated engines, one fresh virtual cluster per (policy, rate), and prints mean /
 p99 request latency and the ratios baseline / e2 measured in the same run. Conditions are printed with the tables.
+``--scale`` / ``--out-scale`` / ``--max-out`` shape the simulated workload as ``real`` shapes its own (prompt sizes,
+output lengths x out-scale capped at max-out), so the simulator can replay the real benchmark's setting.
 """
 
 from __future__ import annotations
@@ -37,7 +40,10 @@ from parrot.manager.policies import E2Config, E2Policy
 from parrot.manager.policies.base import ClusterView, DispatchRequest, EngineView, QueuedRequest
 from parrot.manager.perf_deduction import SchedInfo
 from parrot.sim.cluster import ClusterConfig, SimCluster
-from parrot.sim.preble_workloads import WORKLOADS, workload
+from parrot.manager.policies.oracle import OraclePartitionPolicy, prompt_group_lookup
+from parrot.sim.azure_trace import azure_mixed, load_trace
+from parrot.sim.cost_model import load_model
+from parrot.sim.preble_workloads import WORKLOADS, Request, workload
 from parrot.sim.tokenizer import WordTokenizer
 from parrot.sim.vloop import run_virtual
 
@@ -49,10 +55,40 @@ def p99(xs: list[float]) -> float:
     return s[min(len(s) - 1, math.ceil(0.99 * len(s)) - 1)]
 
 
+def requests_of(name: str, n: int, rate: float, seed: int = 0, pattern: str = "poisson", scale: float = 1.0,
+                window: int = 4096) -> list[Request]:
+    """The request stream of ``name``: one of the five workloads (Poisson / bursty at ``rate``), or ``azure``
+    (Preble 5.3: the Azure trace's arrivals, code -> Tool and conversation -> VideoQA requests, inter-arrivals scaled
+    so that the mean rate is ``rate``)."""
+    if name != "azure":
+        return workload(name, n, rate, seed, pattern, scale=scale, window=window)
+    rows = load_trace()[:n]
+    trace_rate = (len(rows) - 1) / max(1e-9, rows[-1].t_s - rows[0].t_s)
+    return azure_mixed(n, seed, time_scale=trace_rate / rate, scale=scale, trace=rows)
+
+
+def oracle_for(reqs: list[Request], vocab_size: int = 32000) -> OraclePartitionPolicy:
+    """Preble 5.2's oracle partition for this stream: each request's group (its tool, episode, problem, video,
+    document: the key-portion node) known offline by its prompt's token ids as the simulated engines tokenize them."""
+    tok = WordTokenizer(vocab_size)
+    groups: dict[tuple[int, ...], str] = {}
+    for r in reqs:
+        ids = tok.encode(r.prompt)
+        groups[tuple(ids)] = groups[(tok.bos_token_id, *ids)] = r.group
+    return OraclePartitionPolicy(prompt_group_lookup(groups))
+
+
 def run_one(name: str, n: int, rate: float, config: ClusterConfig, *, policy=None, pattern: str = "poisson",
-            seed: int = 0) -> dict:
-    """Latencies of ``n`` requests of workload ``name`` at ``rate``/s on a fresh simulated cluster."""
-    reqs = workload(name, n, rate, seed, pattern)
+            seed: int = 0, scale: float = 1.0, out_scale: float = 1.0, max_out: int | None = None) -> dict:
+    """Latencies of ``n`` requests of workload ``name`` at ``rate``/s on a fresh simulated cluster; prompt sizes x
+    ``scale``, outputs x ``out_scale`` (at least 1, at most ``max_out``). ``policy="oracle"``: the oracle partition
+    of this very stream."""
+    reqs = requests_of(name, n, rate, seed, pattern, scale, window=load_model(config.cost_model).max_model_len)
+    if policy == "oracle":
+        policy = oracle_for(reqs)
+    if out_scale != 1.0 or max_out is not None:
+        reqs = [replace(r, max_tokens=max(1, min(max_out or r.max_tokens, round(r.max_tokens * out_scale))))
+                for r in reqs]
 
     async def main() -> dict:
         async with SimCluster(config, policy=policy) as cluster:
@@ -67,13 +103,15 @@ def run_one(name: str, n: int, rate: float, config: ClusterConfig, *, policy=Non
             stats = cluster.engine_stats()
             pol = cluster.manager.dispatcher.policy
             e2 = pol if isinstance(pol, E2Policy) else getattr(pol, "e2", None)
+            oracle = {"oracle_groups": pol.num_groups, "oracle_unknown": pol.num_unknown} \
+                if isinstance(pol, OraclePartitionPolicy) else {}
             return {"mean": statistics.mean(lat), "p99": p99(lat), "busy": [s["busy_s"] for s in stats.values()],
                     "evicted_blocks": sum(e.pool.num_evicted for e in cluster.engines),
                     "preemptions": sum(s["preemptions"] for s in stats.values()),
                     "hit_blocks": sum(s["prefix_hit_blocks"] for s in stats.values()),
                     "tokens": sum(s["tokens"] for s in stats.values()),
                     "decisions": dict(e2.counts) if e2 is not None else {},
-                    "notices_applied": e2.notices_applied if e2 is not None else 0}
+                    "notices_applied": e2.notices_applied if e2 is not None else 0, **oracle}
 
     return run_virtual(main())
 
@@ -84,28 +122,33 @@ def _decisions(r: dict) -> str:
 
 def sim(args) -> tuple[str, dict]:
     base = ClusterConfig(engines=args.engines, cost_model=args.cost_model, seed=args.seed, latency_ms=(0.0, 0.0),
-                         kv_cache_tokens=args.kv_tokens)
-    policies = ("e2", "round-robin", "least-loaded")
+                         kv_cache_tokens=args.kv_tokens,
+                         latency_cap_tokens=min(ClusterConfig.latency_cap_tokens, args.kv_tokens or 1 << 30))
+    policies = ("e2", "round-robin", "least-loaded", "oracle")  # oracle: Preble 5.2's oracle partition
     out, data = [], []
     for name in args.workloads.split(","):
         rows = []
         for rate in (float(r) for r in args.rates.split(",")):
-            res = {p: run_one(name, args.requests, rate, replace(base, policy=p), pattern=args.pattern, seed=args.seed)
+            res = {p: run_one(name, args.requests, rate, replace(base, policy="least-loaded" if p == "oracle" else p),
+                              policy="oracle" if p == "oracle" else None, pattern=args.pattern, seed=args.seed,
+                              scale=args.scale, out_scale=args.out_scale, max_out=args.max_out)
                    for p in policies}
             data.append({"workload": name, "rate": rate, "policies": res})
             e2 = res["e2"]
             rows.append([f"{rate:g} req/s"] + [res[p][k] for p in policies for k in ("mean", "p99")]
-                        + [res["round-robin"]["mean"] / e2["mean"], res["round-robin"]["p99"] / e2["p99"],
-                           res["least-loaded"]["mean"] / e2["mean"], res["least-loaded"]["p99"] / e2["p99"],
-                           "/".join(str(res[p]["evicted_blocks"]) for p in policies),
+                        + [res[p][k] / e2[k] for p in policies[1:] for k in ("mean", "p99")]
+                        + ["/".join(str(res[p]["evicted_blocks"]) for p in policies),
                            "/".join(str(res[p]["preemptions"]) for p in policies),
                            f"{_decisions(e2)}; notices {e2['notices_applied']}"])
         out.append(format_table(
-            ["rate", "e2 mean s", "e2 p99 s", "rr mean s", "rr p99 s", "ll mean s", "ll p99 s",
-             "rr/e2 mean", "rr/e2 p99", "ll/e2 mean", "ll/e2 p99", "evicted blk e2/rr/ll", "preempt e2/rr/ll",
-             "e2 decisions"], rows,
+            ["rate", "e2 mean s", "e2 p99 s", "rr mean s", "rr p99 s", "ll mean s", "ll p99 s", "or mean s",
+             "or p99 s", "rr/e2 mean", "rr/e2 p99", "ll/e2 mean", "ll/e2 p99", "or/e2 mean", "or/e2 p99",
+             "evicted blk e2/rr/ll/or", "preempt e2/rr/ll/or", "e2 decisions"], rows,
             title=f"[Preble Fig. 7 analogue] {name}: {args.requests} requests ({args.pattern}), {args.engines}x "
-                  f"{args.cost_model} (sim), KV {args.kv_tokens or 'cost model'} tokens/engine, seed {args.seed}"))
+                  f"{args.cost_model} (sim), KV {args.kv_tokens or 'cost model'} tokens/engine, seed {args.seed}"
+                  + (f", prompts x{args.scale:g}" if args.scale != 1.0 else "")
+                  + (f", outputs x{args.out_scale:g}" if args.out_scale != 1.0 else "")
+                  + (f" capped at {args.max_out}" if args.max_out is not None else "")))
     return "\n\n".join(out), {"runs": data}
 
 
@@ -208,13 +251,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cost-model", default="llama7b-a6000")
     ap.add_argument("--kv-tokens", type=int, default=None,
                     help="KV pool per engine (default: real 2048, sim the cost model's)")
-    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--workloads", default=",".join(WORKLOADS),
+                    help="comma list of " + ", ".join(WORKLOADS) + ", azure (sim: Preble 5.3's trace-driven mix)")
     ap.add_argument("--rates", default=None, help="req/s list (default: sim 2,4,8; real per workload)")
     ap.add_argument("--rate", type=float, default=None, help="ablation: req/s (default 8); speed: virtual arrivals")
     ap.add_argument("--requests", type=int, default=None, help="default: real 20 per run, sim 300, speed 6000")
     ap.add_argument("--pattern", default="poisson", choices=("poisson", "bursty"))
     ap.add_argument("--window-s", type=float, default=60.0)
-    ap.add_argument("--scale", type=float, default=0.1, help="real: prompt sizes x this")
+    ap.add_argument("--scale", type=float, default=None, help="prompt sizes x this (default: real 0.1, sim 1)")
+    ap.add_argument("--out-scale", type=float, default=1.0, help="sim: output lengths x this (real: RealConfig's)")
+    ap.add_argument("--max-out", type=int, default=None, help="sim: output lengths capped at this")
     ap.add_argument("--local-policy", default="fcfs", choices=("fcfs", "preble"), help="real: engines' wait queue")
     ap.add_argument("--model", default=None, help="real: engine model (default: SmolLM2-135M)")
     ap.add_argument("--out", default="bench_out", help="real: engine logs go here")
@@ -223,6 +269,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     args.engines = args.engines or {"real": 2, "speed": 8}.get(args.what, 4)
+    args.scale = args.scale if args.scale is not None else (0.1 if args.what == "real" else 1.0)
+    if args.scale <= 0 or args.out_scale <= 0 or (args.max_out is not None and args.max_out < 1):
+        ap.error("--scale and --out-scale must be > 0, --max-out >= 1")
     if args.what == "speed":
         args.requests = args.requests or 6000
         args.rate = args.rate or 3000.0

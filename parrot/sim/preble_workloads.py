@@ -15,8 +15,9 @@ share exactly the parts the generator shares. Sizes in simulator tokens (mean, s
     videoqa      ~3,000 (9,865 +- 5,976)      4 (4 +- 1.5)             a long unique video prefix, ~8 questions
     loogle       ~3,200 (23,474 +- 6,105)     16 +- 10 (16 +- 9.9)     13-token system prompt, document, ~8 questions
 
-Videos and documents are cut to fit the LLaMA-7B cost models' 4,096-token window; everything else follows
-Table 1. ``scale`` multiplies every prompt size (not the outputs, not the sharing structure): the real-engine
+Videos and documents are cut to fit the LLaMA-7B cost models' 4,096-token window; with a model window of 16k or
+more (Mistral-7B's 32k: ``window``) they keep Table 1's sizes (video 9,865 +- 5,976, document 23,474 +- 6,105,
+capped below the window); everything else follows Table 1. ``scale`` multiplies every prompt size (not the outputs, not the sharing structure): the real-engine
 benchmark runs the same shapes at a fraction of the length on a small CPU model. Arrivals: Poisson at ``rate``
 requests/s, or ``bursty`` (on/off: 4x the rate for a quarter of each 10-second period, 0 otherwise; the same
 mean). Programming's parallel samples and a video's / document's questions arrive as independent requests in the
@@ -145,16 +146,21 @@ def _questions_on(prefix_of: Callable[[int], str], n: int, rng: random.Random, p
     return out[:n]
 
 
-def videoqa(n: int, rng: random.Random, *, scale: float = 1.0) -> list[tuple[str, int, str]]:
+LONG_WINDOW = 16384  # a model window from which videos and documents keep Table 1's sizes (not cut to 4k)
+
+
+def videoqa(n: int, rng: random.Random, *, scale: float = 1.0, window: int = 4096) -> list[tuple[str, int, str]]:
     size = _sizer(rng, scale)
-    return _questions_on(lambda d: f"[video {d}] " + synth_text(size(3000, 500, 1500, 3700), rng),
+    mean, sd, top = (9865, 5976, window - 256) if window >= LONG_WINDOW else (3000, 500, 3700)
+    return _questions_on(lambda d: f"[video {d}] " + synth_text(size(mean, sd, 1500, top), rng),
                          n, rng, 8.6, lambda: 4, "video", scale)
 
 
-def loogle(n: int, rng: random.Random, *, scale: float = 1.0) -> list[tuple[str, int, str]]:
+def loogle(n: int, rng: random.Random, *, scale: float = 1.0, window: int = 4096) -> list[tuple[str, int, str]]:
     size = _sizer(rng, scale)
     system = "Answer the question about the document below."
-    return _questions_on(lambda d: f"{system}\n[doc {d}] " + synth_text(size(3200, 400, 2000, 3700), rng),
+    mean, sd, top = (23474, 6105, window - 256) if window >= LONG_WINDOW else (3200, 400, 3700)
+    return _questions_on(lambda d: f"{system}\n[doc {d}] " + synth_text(size(mean, sd, 2000, top), rng),
                          n, rng, 8.0, lambda: _normal(rng, 16, 10, 2, 48), "doc", scale)
 
 
@@ -164,13 +170,14 @@ _GENERATORS: dict[str, Callable[..., list[tuple[str, int, str]]]] = {
 
 
 def workload(name: str, n: int, rate: float, seed: int = 0, pattern: str = "poisson",
-             scale: float = 1.0) -> list[Request]:
+             scale: float = 1.0, window: int = 4096) -> list[Request]:
     """``n`` requests of workload ``name`` (one of WORKLOADS) arriving at ``rate``/s, seeded; prompt sizes times
-    ``scale``."""
+    ``scale``; ``window``: the model's context window (from LONG_WINDOW on, videos and documents keep Table 1's
+    sizes; below, they are cut to fit 4k)."""
     gen = _GENERATORS.get(name)
     if gen is None:
         raise ValueError(f"unknown workload {name!r} (known: {', '.join(WORKLOADS)})")
     rng = random.Random(f"preble:{name}:{seed}")
-    items = gen(n, rng, scale=scale)
+    items = gen(n, rng, scale=scale, **({"window": window} if name in ("videoqa", "loogle") else {}))
     times = arrivals(len(items), rate, random.Random(f"arrivals:{name}:{seed}:{rate}:{pattern}"), pattern)
     return [Request(t, p, m, g) for t, (p, m, g) in zip(times, items)]

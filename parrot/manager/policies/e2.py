@@ -7,7 +7,7 @@ One decision (:meth:`E2Policy.choose`) for a prompt of ``n`` tokens::
     match the prompt in the global radix tree (parrot.manager.policies.radix)
     cached_e = tokens of the matched path engine e holds;  best = max_e cached_e
     best > n - best  (exploit):  KS = engines holding the *key node* (the longest node of the held path)
-        e = argmin_{KS} L + M + P
+        e = argmin_{KS} L + M + P + D  (D: the decoding now in flight there, E2Config.current_decode)
         rebalance: L_e > th_bal * min L   -> the lightest engine instead (its exploit traffic moves)
         replicate: the key node's mean queueing estimate doubled over the window H -> the lightest engine not
                    holding it (the prefix gets a second home; later exploits split by cost)
@@ -27,6 +27,16 @@ Costs (seconds, from the engine's fitted :class:`~parrot.common.step_cost.StepCo
 * M = sum over the nodes the engine's LRU would evict to make room for the missed tokens (emulated on the tree)
   of PREFILL(node tokens) * requests of the window sharing the node there;
 * P = PREFILL(missed tokens of this request on the engine).
+* D (``E2Config.current_decode``, default on; only among the holders of an exploited key node) = the engine time
+  its in-flight requests' decoding still takes. They decode together, so D = base_s x the most tokens any of them
+  has left + sum over them of tokens left x (decode_row_s + decode_ctx_s x its context) (``marginal``: no base_s
+  term); a request's tokens left = its max new tokens minus what it can have decoded since it was placed (elapsed
+  time after its own prefill, one token per iteration of it alone). L is a window history, blind to what runs now:
+  with a prefix cached on every engine (Preble's programming workload: a long demo prompt, the longest outputs)
+  every request exploits, the holders' histories are alike, and E2 stacked decode-heavy requests on one holder
+  while another was idle. Explore and rebalancing keep Preble's history-only L (a placed prefix has a longer-term
+  effect than one moment's load, §4.2; adding D there moved requests off their prefixes: toolbench and loogle
+  lost up to 9 % in the simulator).
 
 The tree keeps what engines hold true through eviction notices: an engine reporting ``kv_evicted`` in its
 status (``{"seq": total evicted blocks, "hashes": the latest evicted blocks' chain hashes}``) has the nodes of
@@ -84,6 +94,7 @@ class E2Config:
     decode_ratio: float = 0.8  # IMBALR: an engine with more decode units than this share takes explorations
     emulate_lru: bool = True  # evict on the tree when an engine's held tokens exceed its KV capacity
     decode_cost: Literal["request", "marginal"] = "request"  # DECODE(k) in L (see the module docstring)
+    current_decode: bool = True  # exploit picks among holders by L + M + P + D (D: the module docstring)
 
     def __post_init__(self) -> None:
         if not self.window_s > 0:
@@ -158,6 +169,7 @@ class E2Policy(Policy):
         self._known: set[str] = set()
         self._now = 0.0
         self._round: dict[str, float] = {}  # per-round cache of queueing estimates
+        self._round_decode: dict[str, float] = {}  # per-round cache of D (current_decode)
         self.last: Decision | None = None
         self.counts: dict[str, int] = {}  # decisions by kind
         self.notices_applied = 0  # eviction notices that named new evictions (after each engine's baseline)
@@ -198,6 +210,7 @@ class E2Policy(Policy):
         if len(self._inflight) > len(placed):
             self._inflight = {r: v for r, v in self._inflight.items() if r in placed}
         self._round = {}
+        self._round_decode = {}
         if len(self._hot) > 4 * self.tree.num_nodes:
             self._hot = {n: h for n, h in self._hot.items() if n.parent is not None}
 
@@ -235,6 +248,11 @@ class E2Policy(Policy):
     def cost_of(cluster: ClusterView, engine: str) -> StepCost:
         return cluster.engines[engine].step_cost or DEFAULT_COST
 
+    def _decode_step(self, c: StepCost, ctx: float) -> float:
+        """DECODE(1) at context ``ctx``: one decode iteration of the request (``request``) or its row's share of
+        an iteration that runs anyway (``marginal``)."""
+        return c.decode_row_s + c.decode_ctx_s * ctx + (c.base_s if self.config.decode_cost == "request" else 0.0)
+
     def load(self, cluster: ClusterView, engine: str) -> float:
         """L: the engine's window history in seconds (Algorithm 2's first loop)."""
         h = self._history.get(engine)
@@ -243,8 +261,35 @@ class E2Policy(Policy):
         c = self.cost_of(cluster, engine)
         n = len(h.items)
         avg_out, avg_ctx = h.out / n, h.ctx / n
-        step = c.decode_row_s + c.decode_ctx_s * avg_ctx + (c.base_s if self.config.decode_cost == "request" else 0.0)
-        return c.prefill_token_s * h.missed + n * avg_out * step
+        return c.prefill_token_s * h.missed + n * avg_out * self._decode_step(c, avg_ctx)
+
+    def current_decode(self, cluster: ClusterView, engine: str) -> float:
+        """D: seconds the engine still needs to decode the requests placed on it and not finished. They run in
+        one batch: every iteration pays base_s once and each row its own part, so D = base_s x max(tokens left)
+        + sum(tokens left x row part) (``marginal``: no base_s). A request's tokens left = its max new tokens minus
+        what it can have decoded since it was placed: one token per iteration of it alone from the end of its own
+        prefill (its missed tokens); an unknown placement time: nothing decoded yet."""
+        got = self._round_decode.get(engine)
+        if got is not None:
+            return got
+        c = self.cost_of(cluster, engine)
+        rows, longest = 0.0, 0.0
+        for p in cluster.engines[engine].placed:
+            out = p.tokens - p.prompt_tokens
+            if out <= 0:
+                continue
+            missed = self._inflight.get(p.request_id, (p.prompt_tokens, p.prompt_tokens))[0]
+            row = c.decode_row_s + c.decode_ctx_s * (p.prompt_tokens + out / 2)
+            alone = row + c.base_s
+            done = 0.0
+            if p.placed_at is not None and alone > 0:
+                done = max(0.0, self._now - p.placed_at - c.prefill_token_s * missed) / alone
+            left = max(0.0, out - done)
+            rows += left * row
+            longest = max(longest, left)
+        total = rows + (longest * c.base_s if self.config.decode_cost == "request" else 0.0)
+        self._round_decode[engine] = total
+        return total
 
     def eviction_cost(self, cluster: ClusterView, engine: str, missed: int, keep: Sequence[Node]) -> float:
         """M: recomputation of what the engine's LRU would evict to hold ``missed`` more tokens, times the requests
@@ -327,7 +372,11 @@ class E2Policy(Policy):
             key = max((node for node in path if node.start < best),
                       key=lambda node: min(node.end, best) - node.start)
             ks = [e for e in cands if cached[e] >= min(key.end, best)]
-            engine = min(ks, key=lambda e: (cost(e), e))
+            if cfg.current_decode and len(ks) > 1:  # the holders differ by what decodes there now (D)
+                held = {e: cost(e) + self.current_decode(cluster, e) for e in ks}
+                engine = min(ks, key=lambda e: (held[e], e))
+            else:
+                engine = min(ks, key=lambda e: (cost(e), e))
             kind = "exploit"
             busy = self._window_requests() >= cfg.min_window_requests
             if cfg.rebalance and busy and len(cands) > 1:
@@ -388,6 +437,7 @@ class E2Policy(Policy):
                                                          n + request.max_new_tokens // 2)
         self._inflight[request.request_id] = (missed, n)
         self._round.pop(engine, None)
+        self._round_decode.pop(engine, None)
         toks = request.prompt_token_ids
         if path is None or toks is None:
             return
