@@ -269,14 +269,17 @@ class Scheduler:
         # request's next phase: it goes first (FCFS among them), or its computed prompt would wait behind newer
         # requests and be evicted and recomputed (LAMPS 4.4: prioritization continues until the request completes)
         started = [o for o in self.waiting if _started(o)]
-        ranked = self.ranker.order([o for o in self.waiting if not _started(o)], lambda o: o.seq_no, self.score)
+        running = self._running_tokens()  # one sum per ranking (a waiting op's context has no running op)
+        ranked = self.ranker.order([o for o in self.waiting if not _started(o)], lambda o: o.seq_no,
+                                   lambda o: self.score(o, running))
         return started + ranked
 
-    def score(self, op: Op) -> float:
+    def score(self, op: Op, running_tokens: int | None = None) -> float:
         """LAMPS' rank of a waiting op: its request segment's memory over time (prompt, of which the KV already held
         or cached costs no prefill, predicted output, the tool call's handling, with the running batch as the rest
         of memory), lower admitted first. A fill is scored as the segment its hint describes (the generate that
-        follows it); without a hint its output is the engine's mean."""
+        follows it); without a hint its output is the engine's mean. ``running_tokens``: the running ops' context
+        tokens, if the caller has summed them already."""
         hint = op.hint
         pred = hint.predicted_output_tokens if hint is not None else None
         out = pred if pred is not None else int(self.mean_output_tokens)
@@ -286,7 +289,8 @@ class Scheduler:
         prompt = len(op.ctx.tokens)
         return memory_time(prompt_tokens=prompt, output_tokens=max(0, out), tool_s=tool_s,
                            handling=op.handling if tool_s is not None else None, costs=self.costs,
-                           other_tokens=self._running_tokens(exclude=op.ctx),
+                           other_tokens=self._running_tokens(exclude=op.ctx) if running_tokens is None
+                           else running_tokens,
                            cached_tokens=min(prompt, self.cached_tokens(op)))
 
     # ---- tool pauses -------------------------------------------------------------------------------------------
