@@ -4,12 +4,10 @@ P.connect (and the official openai client), and P.local in-process. Greedy, shor
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 
-import httpx
 import pytest
 
 import parrot as P
@@ -23,29 +21,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def server():
     from parrot.common.errors import ModelNotFound
     from parrot.engine.model_files import default_model_path
+    from parrot.engine.procs import free_port, wait_healthy
 
     try:
         default_model_path()
     except ModelNotFound as e:
         pytest.skip(str(e))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, PARROT_ENGINE_KV_CACHE_TOKENS="16384", PARROT_LOG_LEVEL="WARNING")
     proc = subprocess.Popen([sys.executable, "-m", "parrot.cli", "serve", "--port", str(port)], env=env, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, "parrot serve exited during startup"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        else:
-            pytest.fail("parrot serve did not become healthy")
+        wait_healthy(url, proc, 240, "parrot serve")
         yield url
     finally:
         proc.terminate()

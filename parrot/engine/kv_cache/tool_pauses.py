@@ -20,6 +20,8 @@ rate; conservative CPU-class defaults until the fit exists.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -67,6 +69,10 @@ class PauseTable:
     num_expired: int = 0
     num_demoted: int = 0  # preserved pauses moved to swap / discard under KV pressure
     _durations: dict[str, tuple[float, int]] = field(default_factory=dict)  # tool -> (sum of seconds, count)
+    # (deadline, n, pause) of every pause added, earliest first; entries of pauses already gone are skipped when
+    # they come up (the engine asks for the expired ones at every command and plan: no scan of all pauses)
+    _deadlines: list[tuple[float, int, PausedContext]] = field(default_factory=list)
+    _seq: Iterator[int] = field(default_factory=itertools.count)
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -80,6 +86,7 @@ class PauseTable:
     def add(self, p: PausedContext) -> None:
         self.by_id[p.ctx.id] = p
         self.counts[p.handling.value] += 1
+        heapq.heappush(self._deadlines, (p.deadline, next(self._seq), p))
 
     def pop(self, context_id: str, now: float, *, resumed: bool) -> PausedContext | None:
         p = self.by_id.pop(context_id, None)
@@ -97,7 +104,13 @@ class PauseTable:
         return total / n if n else DEFAULT_TOOL_S
 
     def expired(self, now: float) -> list[PausedContext]:
-        return [p for p in self.by_id.values() if p.deadline <= now]
+        """The pauses whose deadline has passed (each returned once: the caller drops them)."""
+        out = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, p = heapq.heappop(self._deadlines)
+            if self.by_id.get(p.ctx.id) is p:
+                out.append(p)
+        return out
 
     def preserved(self) -> list[PausedContext]:
         """Preserved pauses, the latest deadline first (demoted first under pressure: resumed last)."""
