@@ -29,7 +29,8 @@ from parrot.manager.policies.base import (
     WorkKind,
 )
 from parrot.manager.policies.baseline import FifoPolicy, LeastLoadedPolicy, RoundRobinPolicy
-from parrot.manager.policies.e2 import AppCentricWithE2, E2Config, E2Policy
+from parrot.manager.policies.e2 import E2Config, E2Policy
+from parrot.manager.policies.parrot_policy import AppCentricWithE2
 
 _FACTORIES: dict[str, Callable[[CapacityConfig], Policy]] = {
     "parrot": lambda caps: AppCentricWithE2(caps),
