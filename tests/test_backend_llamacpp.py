@@ -223,8 +223,9 @@ def test_mixed_cluster_builtin_and_external(llama):
     advertising its own capabilities, and requests naming a model go to the engine serving it."""
     from engine_procs import TINY_ENGINE
 
+    # shared-prefix attention forced on: under `auto` the engine keeps it only where it measures faster
     with parrot_serve("--engines", "1", "--backend", llama, "--engine-heartbeat-s", "0.5", *TINY_ENGINE,
-                      timeout_s=120) as (url, _):
+                      "--shared-prefix-attention", "on", timeout_s=120) as (url, _):
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             engines = {e["name"]: e for e in httpx.get(f"{url}/api/v1/engines", timeout=10).json()["engines"]}

@@ -79,7 +79,7 @@ def make_engine(model, kernel: str, **kw):
         if not {"avx2", "fma"} <= probe_cpu().flags:
             pytest.skip("the avx2 plan needs AVX2 + FMA")
     settings = EngineSettings(dtype="float32", weight_quant="none", block_size=4, kv_cache_tokens=2048,
-                              max_batch_tokens=16, **ENGINE_PATHS[kernel], **kw)
+                              max_batch_tokens=16, shared_prefix_attention="on", **ENGINE_PATHS[kernel], **kw)
     return build_engine(settings, model=model, tokenizer=word_tokenizer(model.config.vocab_size))
 
 

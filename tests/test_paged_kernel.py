@@ -109,7 +109,8 @@ def test_engine_native_and_torch_paths_agree(native_kernel, kv_dtype):
     results = {}
     for path in ("torch", "native"):
         eng = build_engine(EngineSettings(dtype="float32", weight_quant="none", kv_cache_tokens=4096,
-                                          attention_kernel=path, kv_dtype=kv_dtype), model=model, tokenizer=tok)
+                                          attention_kernel=path, kv_dtype=kv_dtype, shared_prefix_attention="on"),
+                           model=model, tokenizer=tok)
         try:
             assert (eng.runner.decode_kernel is not None) == (path == "native")
             eng.fill(prefix, "base").result()

@@ -160,7 +160,7 @@ class Serve(Cluster):
         cmd = [sys.executable, "-m", "parrot.cli", "--log-level", "WARNING", "serve", "--engines", str(engines),
                "--port", str(self.port), "--api-key", API_KEY, "--num-threads", "1", "--kv-cache-tokens", "8192",
                "--engine-heartbeat-s", "0.5", "--policy", "fifo-latency", "--latency-cap-tokens", "400",
-               "--max-num-seqs", "3", *extra]
+               "--max-num-seqs", "3", "--shared-prefix-attention", "on", *extra]  # on: its metric must move
         self._log = open(log_path, "wb")
         self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 

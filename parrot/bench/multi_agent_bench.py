@@ -11,8 +11,9 @@ call, no structure: no dynamic prefix sharing, no engine prefix cache, the engin
 
 Variants and what each switches (server flags / engine environment):
 
-    parrot                 --policy parrot
-    parrot no-kernel       PARROT_ENGINE_SHARED_PREFIX_ATTENTION=false
+    parrot                 --policy parrot (the engine's shared-prefix kernel: auto, on where it measures faster)
+    parrot kernel-on       PARROT_ENGINE_SHARED_PREFIX_ATTENTION=on
+    parrot no-kernel       PARROT_ENGINE_SHARED_PREFIX_ATTENTION=off
     parrot no-sharing      PARROT_PREFIX_SHARING=false, PARROT_ENGINE_ENABLE_PREFIX_CACHE=false, no kernel
     parrot no-task-groups  --policy parrot-no-task-groups
     throughput-centric     --policy fifo-throughput (baseline client, no sharing, no cache, no kernel)
@@ -49,10 +50,11 @@ log = logging.getLogger(__name__)
 
 APP_TIMEOUT_S = 3600.0
 BASELINE_ENV = {"PARROT_PREFIX_SHARING": "false", "PARROT_ENGINE_ENABLE_PREFIX_CACHE": "false",
-                "PARROT_ENGINE_SHARED_PREFIX_ATTENTION": "false"}
+                "PARROT_ENGINE_SHARED_PREFIX_ATTENTION": "off"}
 VARIANTS: dict[str, tuple[str, dict[str, str]]] = {  # name -> (policy, environment of the server and engine)
     "parrot": ("parrot", {}),
-    "parrot no-kernel": ("parrot", {"PARROT_ENGINE_SHARED_PREFIX_ATTENTION": "false"}),
+    "parrot kernel-on": ("parrot", {"PARROT_ENGINE_SHARED_PREFIX_ATTENTION": "on"}),
+    "parrot no-kernel": ("parrot", {"PARROT_ENGINE_SHARED_PREFIX_ATTENTION": "off"}),
     "parrot no-sharing": ("parrot", BASELINE_ENV),
     "parrot no-task-groups": ("parrot-no-task-groups", {}),
     "throughput-centric": ("fifo-throughput", BASELINE_ENV),

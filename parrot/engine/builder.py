@@ -21,6 +21,7 @@ from parrot.engine.runner import ModelRunner
 from parrot.engine.sampler import Sampler
 from parrot.engine.scheduler.scheduler import Scheduler
 from parrot.engine.scheduler.tool_handling import tool_policy
+from parrot.engine import shared_prefix_choice
 from parrot.engine.settings import EngineSettings
 
 log = logging.getLogger(__name__)
@@ -102,8 +103,13 @@ def _assemble(settings: EngineSettings, model, tokenizer, thread: EngineThread) 
         ops.prefill_attention_available() if model.dtype == torch.bfloat16
         else model.dtype == torch.float32 and ops.prefill_attention_fp32_available())
     prefill = ops.causal_prefill if prefill_here else None
-    runner = ModelRunner(model, num_blocks, bs, sampler, shared_prefix_attention=settings.shared_prefix_attention,
-                         decode_kernel=None if ops is None else ops.paged_decode, prefill_kernel=prefill,
+    decode_kernel = None if ops is None else ops.paged_decode
+    shared = shared_prefix_choice.choose(
+        settings.shared_prefix_attention, settings.name, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, dtype=model.dtype, kv_dtype=kv_dtype, block_size=bs, scale=cfg.attention_scale,
+        decode_kernel=decode_kernel)
+    runner = ModelRunner(model, num_blocks, bs, sampler, shared_prefix_attention=shared,
+                         decode_kernel=decode_kernel, prefill_kernel=prefill,
                          kv_dtype=kv_dtype, host_blocks=host_slots)
     scheduler = Scheduler(pool, settings.max_num_seqs, settings.max_batch_tokens, local_policy=settings.local_policy,
                           priority_groups=settings.priority_groups, tool_policy=tool_policy(settings.tool_policy),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -73,8 +73,10 @@ class EngineSettings(BaseSettings):
         None, gt=0, description="seconds a paused context waits to be resumed before it is freed; None = "
         "max(30 s, 4 x the tool's expected duration)")
     priority_groups: int = Field(10, ge=1, description="preble local policy: number of priority groups P")
-    shared_prefix_attention: bool = Field(
-        True, description="decode rows sharing a prefix attend to it once (one batched matmul, merged by LSE)"
+    shared_prefix_attention: Literal["auto", "on", "off"] = Field(
+        "auto", description="decode rows sharing a prefix attend to it once (merged by LSE): on, off, or auto = "
+        "on when one layer of it is measurably faster than the plain path on this machine (timed once at start, "
+        "parrot.engine.shared_prefix_choice); true / false mean on / off"
     )
     attention_kernel: Literal["auto", "native", "torch"] = Field(
         "auto",
@@ -87,6 +89,16 @@ class EngineSettings(BaseSettings):
     random_model: Literal["tiny"] | None = Field(
         None, description="TESTS ONLY: a tiny random-weight LLaMA with the default tokenizer instead of `model`",
         json_schema_extra={"hidden": True})
+
+    @field_validator("shared_prefix_attention", mode="before")
+    @classmethod
+    def _on_off(cls, v: object) -> object:
+        """true / false (bools, or their env spellings) mean on / off."""
+        if isinstance(v, bool):
+            return "on" if v else "off"
+        if isinstance(v, str) and v.strip().lower() in ("true", "1", "yes", "false", "0", "no"):
+            return "on" if v.strip().lower() in ("true", "1", "yes") else "off"
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> "EngineSettings":
