@@ -307,6 +307,18 @@ def _warm_up(url: str, engines: int) -> None:
 
 
 # ---- reporting --------------------------------------------------------------------------------------------------
+def median_run(runs: list[dict]) -> dict:
+    """One policy's runs of a scenario as one result: the first run's fields, every number replaced by its median
+    over the runs (lists and dicts are the first run's), and ``runs`` (every run) when there are several."""
+    out = dict(runs[0])
+    for key, value in runs[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = statistics.median(r[key] for r in runs)
+    if len(runs) > 1:
+        out["runs"] = runs
+    return out
+
+
 METRICS = {  # scenario -> (metric, table header) compared across policies
     "map_reduce": [("e2e_s", "e2e s")],
     "chain_bg": [("e2e_s", "e2e s")],
@@ -338,7 +350,20 @@ def report(results: dict[str, dict[str, dict]], policies: list[str]) -> tuple[st
                 later = None if not base else sum(a > b for a, b in zip(base["apps_e2e_s"], r["apps_e2e_s"]))
                 row.append(later if p != "parrot" else "-")
             rows.append(row)
-        parts.append(format_table(headers, rows, title=f"[{scenario}]  ratio = policy / parrot (>1: parrot better)"))
+        repeats = len(base.get("runs", ())) or 1
+        title = f"[{scenario}]  ratio = policy / parrot (>1: parrot better)"
+        if repeats > 1:
+            title += f"; medians of {repeats} runs, ratio of the medians"
+        parts.append(format_table(headers, rows, title=title))
+        if repeats > 1:  # the ratio in each run (run i of a policy against run i of parrot): the spread
+            for p in policies:
+                if p == "parrot" or "runs" not in by_policy.get(p, {}):
+                    continue
+                spread = []
+                for key, h in METRICS[scenario]:
+                    each = [ratio(r.get(key), b.get(key)) for r, b in zip(by_policy[p]["runs"], base["runs"])]
+                    spread.append(f"{h} " + " ".join("-" if x is None else f"{x:.2f}" for x in each))
+                parts.append(f"  {p} / parrot per run: " + "; ".join(spread))
         if scenario == "multi_chain":  # every app's latency (Fig. 13: none may finish later under parrot)
             shown = [p for p in policies if p in by_policy]
             apps = zip(*(by_policy[p]["apps_e2e_s"] for p in shown))
@@ -367,8 +392,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--throughput-cap", type=int, default=None)
     p.add_argument("--latency-ms", nargs=2, type=float, default=[200.0, 300.0], metavar=("LOW", "HIGH"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per policy (a fresh server each; the policy order rotates per repeat); tables show "
+                        "each metric's median over the runs and the ratio of the medians")
     p.add_argument("--out", default="bench_out")
-    return p.parse_args(argv)
+    ns = p.parse_args(argv)
+    if ns.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {ns.repeats}")
+    return ns
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -384,23 +415,27 @@ def main(argv: list[str] | None = None) -> int:
     log_path = out / f"cluster_bench-{started}.servers.log"
     groups = [(1, [s for s in args.scenarios if s != "mixed"]), (w.mixed_engines, [s for s in args.scenarios
                                                                                      if s == "mixed"])]
-    results: dict[str, dict[str, dict]] = {s: {} for s in args.scenarios}
-    total = len(args.policies) * len(args.scenarios)
+    runs: dict[str, dict[str, list[dict]]] = {s: {p: [] for p in args.policies} for s in args.scenarios}
+    total = len(args.policies) * len(args.scenarios) * args.repeats
     with tqdm(total=total, desc="cluster_bench", unit="run") as bar:
-        for engines, scenarios in groups:
-            if not scenarios:
-                continue
-            for policy in args.policies:
-                bar.set_postfix_str(f"starting {engines} engine(s), policy {policy}")
-                with Cluster(policy, engines, w, args, log_path) as cluster:
-                    _warm_up(cluster.url, engines)
-                    for scenario in scenarios:
-                        bar.set_postfix_str(f"{scenario} / {policy}")
-                        run_id = f"{args.seed}-{scenario}"  # the same tags under every policy
-                        results[scenario][policy] = asyncio.run(RUNNERS[scenario](cluster.url, policy, w, args, run_id))
-                        bar.update(1)
-    conditions = {"workload": asdict(w), "quick": args.quick, "latency_ms": tuple(args.latency_ms),
-                  "seed": args.seed, "engine_threads": 1, "cores": os.cpu_count(),
+        for rep in range(args.repeats):
+            k = rep % len(args.policies)  # rotate the order: no policy always runs first (or last) on a warm box
+            for engines, scenarios in groups:
+                if not scenarios:
+                    continue
+                for policy in args.policies[k:] + args.policies[:k]:
+                    bar.set_postfix_str(f"starting {engines} engine(s), policy {policy}")
+                    with Cluster(policy, engines, w, args, log_path) as cluster:
+                        _warm_up(cluster.url, engines)
+                        for scenario in scenarios:
+                            bar.set_postfix_str(f"{scenario} / {policy} (run {rep + 1}/{args.repeats})")
+                            run_id = f"{args.seed}-{scenario}"  # the same tags under every policy and repeat
+                            runs[scenario][policy].append(
+                                asyncio.run(RUNNERS[scenario](cluster.url, policy, w, args, run_id)))
+                            bar.update(1)
+    results = {s: {p: median_run(rs) for p, rs in by_policy.items()} for s, by_policy in runs.items()}
+    conditions = {"workload": asdict(w), "quick": args.quick, "repeats": args.repeats,
+                  "latency_ms": tuple(args.latency_ms), "seed": args.seed, "engine_threads": 1, "cores": os.cpu_count(),
                   "drivers": "parrot: Parrot frontend (1 RTT/app); baselines: LangChain-style client (1 RTT/call)",
                   "model": args.model or "SmolLM2-135M-Instruct Q4_1 (default)", **describe_cpu()}
     text, panels = report(results, args.policies)

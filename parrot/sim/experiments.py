@@ -1,7 +1,7 @@
 """Paper-scale reproductions on the simulator (real manager + simulated A100/A6000 engines), and its speed and
 validation runs.
 
-    python -m parrot.sim.experiments [map_reduce|multi_chain|gpts|multi_agent|mixed|mixed_cpu|speed|validate|all]
+    python -m parrot.sim.experiments [map_reduce|multi_chain|gpts|multi_agent|mixed|bounds|mixed_cpu|speed|validate|all]
         [--quick]
     python -m parrot.sim.experiments validate --real bench_out/app_bench-*.json
 
@@ -189,15 +189,32 @@ def gpts(quick: bool = False, seed: int = 0) -> str:
 
 
 # ---- Fig. 19: chat + map-reduce mixed, 4 engines (A6000, LLaMA-7B) ------------------------------------------------
-def mixed(quick: bool = False, seed: int = 0) -> str:
-    cost = load_model("llama7b-a6000")
-    n_apps, chunks, chunk_tokens, out = (2, 8, 1024, 50) if quick else (8, 16, 1024, 50)
-    chat_rate = 1.0
+MIXED_POLICIES = ("parrot", "fifo-latency", "fifo-throughput")
+MIXED_CHAT_RATE = 1.0  # chat requests per second (the paper's)
+
+
+def _mixed_size(quick: bool) -> tuple[int, int, int, int]:
+    """(map-reduce apps, chunks per app, tokens per chunk, output tokens) of the Fig. 19 workload."""
+    return (2, 8, 1024, 50) if quick else (8, 16, 1024, 50)
+
+
+def mixed_config(policy: str, seed: int) -> ClusterConfig:
+    return ClusterConfig(engines=4, cost_model="llama7b-a6000", policy=policy, latency_cap_tokens=4096,
+                         throughput_cap_tokens=load_model("llama7b-a6000").kv_cache_tokens, seed=seed)
+
+
+def mixed_apps(quick: bool, seed: int) -> list:
+    n_apps, chunks, chunk_tokens, out = _mixed_size(quick)
+    return [W.app("map_reduce", chunks, chunk_tokens, out, seed * 100 + k) for k in range(n_apps)]
+
+
+def mixed_results(quick: bool = False, seed: int = 0) -> dict[str, tuple[float, float, int]]:
+    """Fig. 19 per policy: (chat mean s per output token, map-reduce mean end-to-end s, chats sent)."""
+    chat_rate = MIXED_CHAT_RATE
     results = {}
-    for policy in ("parrot", "fifo-latency", "fifo-throughput"):
-        cfg = ClusterConfig(engines=4, cost_model="llama7b-a6000", policy=policy, latency_cap_tokens=4096,
-                            throughput_cap_tokens=cost.kv_cache_tokens, seed=seed)
-        apps = [W.app("map_reduce", chunks, chunk_tokens, out, seed * 100 + k) for k in range(n_apps)]
+    for policy in MIXED_POLICIES:
+        cfg = mixed_config(policy, seed)
+        apps = mixed_apps(quick, seed)
         rng = random.Random(f"chat:{seed}")
 
         async def body(c: SimCluster):
@@ -224,6 +241,13 @@ def mixed(quick: bool = False, seed: int = 0) -> str:
             return statistics.mean(per_token), statistics.mean(mr_times), len(per_token)
 
         results[policy] = _run(cfg, body)
+    return results
+
+
+def mixed(quick: bool = False, seed: int = 0) -> str:
+    n_apps, chunks, chunk_tokens, out = _mixed_size(quick)
+    chat_rate = MIXED_CHAT_RATE
+    results = mixed_results(quick, seed)
     p = results["parrot"]
     rows = [[pol, r[0], r[0] / p[0], r[1], r[1] / p[1], r[2]] for pol, r in results.items()]
     lat, thr = results["fifo-latency"], results["fifo-throughput"]
@@ -242,8 +266,8 @@ MULTI_AGENT_VARIANTS = ("parrot", "parrot no-kernel", "parrot no-sharing", "parr
                         "throughput-centric", "latency-centric")
 
 
-def _multi_agent_run(variant: str, files: int, seed: int) -> tuple[float, float]:
-    """(end-to-end seconds, peak KV GB) of one workflow run under ``variant``."""
+def _multi_agent_run(variant: str, files: int, seed: int) -> tuple[float, float, float]:
+    """(end-to-end seconds, peak KV GB, engine-busy seconds) of one workflow run under ``variant``."""
     from parrot.bench.multi_agent import metagpt_workflow
     from parrot.manager.policies import AppCentricWithE2, CapacityConfig
 
@@ -272,7 +296,7 @@ def _multi_agent_run(variant: str, files: int, seed: int) -> tuple[float, float]
     async def body(c: SimCluster):
         t = await (c.run_baseline_workflow(wf) if baseline else c.run_parrot_workflow(wf))
         peak = max(e.peak_kv_blocks for e in c.engines) * cost.block_size
-        return t, peak * KV_BYTES_PER_TOKEN_13B / 1e9
+        return t, peak * KV_BYTES_PER_TOKEN_13B / 1e9, sum(e.busy_s for e in c.engines)
 
     return _run(cfg, body, **kw)
 
@@ -442,8 +466,14 @@ def validate(real: list[str], cost_model: str = "this-machine", policy: str = "l
             + f"\n  {within}/{len(rows)} within 15%")
 
 
+def bounds(quick: bool = False, seed: int = 0) -> str:
+    from parrot.sim.bounds import bounds as run  # it builds on this module's runs
+
+    return run(quick, seed)
+
+
 EXPERIMENTS = {"map_reduce": map_reduce, "multi_chain": multi_chain, "gpts": gpts, "multi_agent": multi_agent,
-               "mixed": mixed,
+               "mixed": mixed, "bounds": bounds,
                "mixed_cpu": mixed_cpu, "speed": speed, "tools": tools}
 
 

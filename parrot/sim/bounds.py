@@ -1,0 +1,74 @@
+"""How far the Fig. 18 and Fig. 19 ratios can go on the simulator's cost models, whatever the Parrot policy does
+(issue 22): each bound divides a baseline's *measured* time by a Parrot time no policy can beat.
+
+    python -m parrot.sim.experiments bounds [--quick]
+
+Fig. 19 (chat at 1 req/s beside 8 map-reduce apps, 4x A6000 LLaMA-7B):
+
+* **chat s/token.** No chat token comes faster than one decode iteration of that chat alone with no context,
+  ``decode_s(1, 0)`` of the cost model (the weights streamed once: the floor of every policy). Bound = the
+  baseline's chat s/token, measured with the map-reduce apps running, / that floor.
+* **map-reduce e2e.** The same apps alone on the same 4 engines (no chat) under ``parrot`` and
+  ``fifo-throughput``: the map and reduce stages with the whole cluster to themselves, the best either policy
+  reaches. Bound = the baseline's map-reduce mean measured beside the chats / the better of the two. Serving the
+  chats as well can only add to Parrot's time, so the bound is generous.
+
+Fig. 18 (multi-agent, 1x A100 LLaMA-13B): Parrot's engine-busy share of its end-to-end time. At ~1 the single
+engine never waits for the manager: Parrot's time is its own work on the critical path (the decode iterations of
+design, code and three review-and-revise rounds), so the ratio moves only with the baseline's time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+
+from parrot.bench.report import format_table
+from parrot.sim import experiments as X
+from parrot.sim.cluster import SimCluster
+from parrot.sim.cost_model import load_model
+
+PAPER_FIG19 = {("chat", "fifo-latency"): 5.5, ("chat", "fifo-throughput"): 1.23,
+               ("map-reduce", "fifo-latency"): 3.7, ("map-reduce", "fifo-throughput"): 1.05}
+PAPER_FIG18_VS_LATENCY = 11.7
+
+
+def map_reduce_alone(policy: str, quick: bool = False, seed: int = 0) -> float:
+    """Mean end-to-end seconds of Fig. 19's map-reduce apps alone on its cluster under ``policy`` (no chat)."""
+    apps = X.mixed_apps(quick, seed)
+    mode = "parrot" if policy == "parrot" else "baseline"
+
+    async def body(c: SimCluster) -> float:
+        times = await asyncio.gather(*(c.run_app(a, mode, criteria="throughput") for a in apps))
+        return statistics.mean(times)
+
+    return X._run(X.mixed_config(policy, seed), body)
+
+
+def bounds(quick: bool = False, seed: int = 0) -> str:
+    cost = load_model("llama7b-a6000")
+    floor = cost.decode_s(1, 0)
+    measured = X.mixed_results(quick, seed)
+    alone = {p: map_reduce_alone(p, quick, seed) for p in ("parrot", "fifo-throughput")}
+    best_mr = min(alone.values())
+    rows = []
+    for metric, idx, best in (("chat", 0, floor), ("map-reduce", 1, best_mr)):
+        ours = measured["parrot"][idx]
+        for base in ("fifo-latency", "fifo-throughput"):
+            b = measured[base][idx]
+            rows.append([f"{metric} vs {base}", b, ours, best, f"{b / ours:.3f}", f"{b / best:.3f}",
+                         PAPER_FIG19[metric, base]])
+    fig19 = format_table(
+        ["ratio", "baseline (measured)", "parrot (measured)", "best any policy", "ours", "bound", "paper"], rows,
+        title="[bounds, Fig. 19] 4x A6000 LLaMA-7B (sim); chat in s/token (floor: one decode iteration alone, "
+              f"{floor * 1000:.1f} ms), map-reduce mean e2e s (best: the apps alone on the cluster, parrot "
+              f"{alone['parrot']:.2f} s / fifo-throughput {alone['fifo-throughput']:.2f} s)")
+    files = 8 if quick else 16
+    t, _, busy = X._multi_agent_run("parrot", files, seed)
+    base, _, _ = X._multi_agent_run("latency-centric", files, seed)
+    fig18 = format_table(
+        ["files", "parrot e2e s", "engine busy s", "busy share", "latency-centric s", "ratio", "paper"],
+        [[files, t, busy, busy / t, base, base / t, PAPER_FIG18_VS_LATENCY]],
+        title="[bounds, Fig. 18] 1x A100 LLaMA-13B (sim): Parrot's engine-busy share (1 = no idle time left to "
+              "remove; the ratio then moves only with the baseline)")
+    return fig19 + "\n\n" + fig18
