@@ -183,3 +183,47 @@ def test_op_status_moves_only_along_the_transition_table():
     assert {(a, b) for a, nexts in OP_TRANSITIONS.items() for b in nexts} == used
     n = walk_transitions(OP_TRANSITIONS, S.QUEUED, lambda: _fill("x", 1, 0), Op.set_status, IllegalOpTransition)
     assert n == len(used)
+
+
+def test_without_chunked_prefill_whole_prompts_go_first_and_decodes_wait():
+    """vLLM's 2023 scheduler (the paper's baselines): an iteration admits whole prompts only, as many as fit,
+    and the running decodes wait for it; with nothing to admit, the decodes run."""
+    pool = BlockPool(100, 16)
+    s = Scheduler(pool, max_num_seqs=8, max_batch_tokens=64, chunked_prefill=False)
+    g = Op(OpKind.GENERATE, Context("g", None, tokens=list(range(10))), sampling=SamplingParams(), arrival=0)
+    s.add(g)
+    _apply(s, s.schedule())
+    g.ctx.tokens.append(7)  # g now decodes
+    a, b, c = _fill("a", 30, 1, first=100), _fill("b", 30, 2, first=200), _fill("c", 30, 3, first=300)
+    for op in (a, b, c):
+        s.add(op)
+    plan = s.schedule()
+    # a and b fit whole (60 of 64 tokens); c does not and waits; g's decode waits for the prefills
+    assert [(ch.op.ctx.id, ch.start, ch.num_tokens) for ch in plan.chunks] == [("a", 0, 30), ("b", 0, 30)]
+    _apply(s, plan)
+    plan = s.schedule()
+    assert [(ch.op.ctx.id, ch.num_tokens) for ch in plan.chunks] == [("c", 30)]
+    _apply(s, plan)
+    s.remove(a), s.remove(b), s.remove(c)
+    plan = s.schedule()  # nothing waits: the decode runs
+    assert [(ch.op.ctx.id, ch.num_tokens) for ch in plan.chunks] == [("g", 1)]
+
+
+def test_without_chunked_prefill_a_prompt_longer_than_the_budget_goes_alone():
+    pool = BlockPool(100, 16)
+    s = Scheduler(pool, max_num_seqs=8, max_batch_tokens=64, chunked_prefill=False)
+    big, small = _fill("big", 100, 0, first=0), _fill("small", 10, 1, first=500)
+    s.add(big), s.add(small)
+    plan = s.schedule()
+    assert [(ch.op.ctx.id, ch.num_tokens) for ch in plan.chunks] == [("big", 64)]
+    _apply(s, plan)
+    plan = s.schedule()  # small is admitted whole; big's remaining chunk runs in the decode/prefill path next
+    assert [(ch.op.ctx.id, ch.num_tokens) for ch in plan.chunks] == [("small", 10)]
+    _apply(s, plan)
+    s.remove(small)  # a fill whose prompt is computed completes (the engine core removes it)
+    plan = s.schedule()
+    assert [(ch.op.ctx.id, ch.start, ch.num_tokens) for ch in plan.chunks] == [("big", 64, 36)]
+
+
+def test_chunked_prefill_is_the_default():
+    assert Scheduler(BlockPool(4, 16), max_num_seqs=1, max_batch_tokens=16).chunked_prefill is True

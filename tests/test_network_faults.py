@@ -173,7 +173,9 @@ def test_refused_connections_are_retried_with_backoff_until_the_port_opens(proxi
     _, proxy, _ = proxied
 
     async def main():
-        client = HTTPEngineClient(proxy.url, "px", policy=CallPolicy(attempts=8, backoff_s=0.1, max_backoff_s=0.4))
+        # full jitter has no lower bound: 7 retries once waited 0.45 s in all and the 0.5 s outage outlasted them
+        # (CI, 2026-11-26); 15 retries wait ~3 s on average, and under 0.5 s with negligible probability
+        client = HTTPEngineClient(proxy.url, "px", policy=CallPolicy(attempts=16, backoff_s=0.1, max_backoff_s=0.4))
         try:
             proxy.close()
             asyncio.get_running_loop().call_later(0.5, proxy.open)

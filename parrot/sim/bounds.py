@@ -1,5 +1,6 @@
 """How far the Fig. 18 and Fig. 19 ratios can go on the simulator's cost models, whatever the Parrot policy does
-(issue 22): each bound divides a baseline's *measured* time by a Parrot time no policy can beat.
+(issue 22): each bound divides a baseline's *measured* time by a best case for Parrot (a hard floor of the cost
+model for the chats; for the map-reduce, the best time measured with the cluster to itself).
 
     python -m parrot.sim.experiments bounds [--quick]
 
@@ -16,6 +17,10 @@ Fig. 19 (chat at 1 req/s beside 8 map-reduce apps, 4x A6000 LLaMA-7B):
 Fig. 18 (multi-agent, 1x A100 LLaMA-13B): Parrot's engine-busy share of its end-to-end time. At ~1 the single
 engine never waits for the manager: Parrot's time is its own work on the critical path (the decode iterations of
 design, code and three review-and-revise rounds), so the ratio moves only with the baseline's time.
+
+Last, the same ratios with every engine scheduling as vLLM did when the paper ran its baselines (no chunked
+prefill: whole prompts first, running decodes wait; ``Scheduler(chunked_prefill=False)``), Parrot's engines too:
+what the era's baseline engine alone would change.
 """
 
 from __future__ import annotations
@@ -71,4 +76,27 @@ def bounds(quick: bool = False, seed: int = 0) -> str:
         [[files, t, busy, busy / t, base, base / t, PAPER_FIG18_VS_LATENCY]],
         title="[bounds, Fig. 18] 1x A100 LLaMA-13B (sim): Parrot's engine-busy share (1 = no idle time left to "
               "remove; the ratio then moves only with the baseline)")
-    return fig19 + "\n\n" + fig18
+    return fig19 + "\n\n" + fig18 + "\n\n" + without_chunked_prefill(quick, seed)
+
+
+def without_chunked_prefill(quick: bool = False, seed: int = 0) -> str:
+    """The same ratios with every engine scheduling as vLLM did in 2023, the paper's baselines: whole prompts
+    first, running decodes waiting for them (no chunked prefill; Parrot's engines too)."""
+    old = X.mixed_results(quick, seed, chunked_prefill=False)
+    new = X.mixed_results(quick, seed)
+    rows = []
+    for metric, idx in (("chat", 0), ("map-reduce", 1)):
+        for base in ("fifo-latency", "fifo-throughput"):
+            rows.append([f"Fig. 19 {metric} vs {base}", f"{new[base][idx] / new['parrot'][idx]:.3f}",
+                         f"{old[base][idx] / old['parrot'][idx]:.3f}", old[base][idx], old["parrot"][idx],
+                         PAPER_FIG19[metric, base]])
+    files = 8 if quick else 16
+    t_new = {v: X._multi_agent_run(v, files, seed)[0] for v in ("parrot", "latency-centric")}
+    t_old = {v: X._multi_agent_run(v, files, seed, chunked_prefill=False)[0] for v in ("parrot", "latency-centric")}
+    rows.append([f"Fig. 18 ({files} files) vs latency-centric", f"{t_new['latency-centric'] / t_new['parrot']:.3f}",
+                 f"{t_old['latency-centric'] / t_old['parrot']:.3f}", t_old["latency-centric"], t_old["parrot"],
+                 PAPER_FIG18_VS_LATENCY])
+    return format_table(
+        ["ratio", "chunked prefill", "2023 scheduler", "baseline (2023)", "parrot (2023)", "paper"], rows,
+        title="[bounds, 2023 engines] every engine (Parrot's too) without chunked prefill: whole prompts first, "
+              "running decodes wait for them (vLLM's scheduler when the paper ran its baselines)")

@@ -61,6 +61,7 @@ class ClusterConfig:
     seed: int = 0
     local_policy: str = "fcfs"  # the engines' wait-queue order (fcfs | preble)
     kv_cache_tokens: int | None = None  # override the cost model's KV pool (small pools make eviction matter)
+    chunked_prefill: bool = True  # False: every engine schedules as vLLM did in 2023 (the paper's baselines)
 
     def __post_init__(self) -> None:
         if self.engines < 1:
@@ -91,7 +92,8 @@ class SimCluster:
                                   output_lengths=OutputLengths(config.output_mean),
                                   enable_prefix_cache=config.engine_prefix_cache,
                                   shared_prefix_attention=shared_prefix_attention,
-                                  local_policy=config.local_policy) for i in range(config.engines)]
+                                  local_policy=config.local_policy, chunked_prefill=config.chunked_prefill)
+                        for i in range(config.engines)]
         mconf = ManagerConfig(policy=config.policy, latency_cap_tokens=config.latency_cap_tokens,
                               throughput_cap_tokens=config.throughput_cap_tokens or self.cost.kv_cache_tokens,
                               prefix_sharing=config.prefix_sharing, engine_heartbeat_s=5.0,

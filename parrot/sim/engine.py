@@ -42,13 +42,15 @@ class SimEngine(EngineCore):
                  enable_prefix_cache: bool = True, shared_prefix_attention: bool = True,
                  clock: Callable[[], float] | None = None, profiled: bool = True,
                  local_policy: str = "fcfs", tool_policy: str | ToolPolicy | None = None,
-                 swap_space_blocks: int | None = None, tool_pause_ttl_s: float | None = None) -> None:
+                 swap_space_blocks: int | None = None, tool_pause_ttl_s: float | None = None,
+                 chunked_prefill: bool = True) -> None:
         """Create inside the running (virtual) loop; ``clock`` defaults to that loop's time. ``profiled``: the
         engine's step-time statistics start from its cost model's profile grid (:func:`seed_step_stats`), as a
         real engine warmed up over several batch shapes; otherwise they start empty and learn from its steps.
         ``tool_policy``: a name of ``TOOL_POLICIES`` or a ToolPolicy (None: pauses are preserved, FCFS);
         ``swap_space_blocks``: host slots for swapped KV (None: as many as the pool has blocks; 0: no swap);
-        ``tool_pause_ttl_s``: see EngineCore."""
+        ``tool_pause_ttl_s``: see EngineCore; ``chunked_prefill=False``: the 2023 vLLM scheduler (whole prompts
+        first, decodes wait; Scheduler._prefill_step)."""
         self._loop = asyncio.get_running_loop()
         pool = BlockPool(-(-cost.kv_cache_tokens // cost.block_size), cost.block_size,
                          enable_prefix_cache=enable_prefix_cache)
@@ -59,7 +61,8 @@ class SimEngine(EngineCore):
         super().__init__(name=name, model_name=model_name, runner=runner, pool=pool,
                          scheduler=Scheduler(pool, cost.max_num_seqs, cost.max_batch_tokens,
                                              local_policy=local_policy, tool_policy=policy,
-                                             host=HostStore(slots) if slots else None),
+                                             host=HostStore(slots) if slots else None,
+                                             chunked_prefill=chunked_prefill),
                          tokenizer=WordTokenizer(vocab_size), max_model_len=cost.max_model_len,
                          clock=clock or self._loop.time, cached_status=False, computes_logits=False,
                          tool_pause_ttl_s=tool_pause_ttl_s)

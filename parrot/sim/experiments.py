@@ -198,9 +198,10 @@ def _mixed_size(quick: bool) -> tuple[int, int, int, int]:
     return (2, 8, 1024, 50) if quick else (8, 16, 1024, 50)
 
 
-def mixed_config(policy: str, seed: int) -> ClusterConfig:
+def mixed_config(policy: str, seed: int, chunked_prefill: bool = True) -> ClusterConfig:
     return ClusterConfig(engines=4, cost_model="llama7b-a6000", policy=policy, latency_cap_tokens=4096,
-                         throughput_cap_tokens=load_model("llama7b-a6000").kv_cache_tokens, seed=seed)
+                         throughput_cap_tokens=load_model("llama7b-a6000").kv_cache_tokens, seed=seed,
+                         chunked_prefill=chunked_prefill)
 
 
 def mixed_apps(quick: bool, seed: int) -> list:
@@ -208,12 +209,14 @@ def mixed_apps(quick: bool, seed: int) -> list:
     return [W.app("map_reduce", chunks, chunk_tokens, out, seed * 100 + k) for k in range(n_apps)]
 
 
-def mixed_results(quick: bool = False, seed: int = 0) -> dict[str, tuple[float, float, int]]:
-    """Fig. 19 per policy: (chat mean s per output token, map-reduce mean end-to-end s, chats sent)."""
+def mixed_results(quick: bool = False, seed: int = 0,
+                  chunked_prefill: bool = True) -> dict[str, tuple[float, float, int]]:
+    """Fig. 19 per policy: (chat mean s per output token, map-reduce mean end-to-end s, chats sent);
+    ``chunked_prefill=False``: every engine schedules as vLLM did in 2023."""
     chat_rate = MIXED_CHAT_RATE
     results = {}
     for policy in MIXED_POLICIES:
-        cfg = mixed_config(policy, seed)
+        cfg = mixed_config(policy, seed, chunked_prefill)
         apps = mixed_apps(quick, seed)
         rng = random.Random(f"chat:{seed}")
 
@@ -266,14 +269,16 @@ MULTI_AGENT_VARIANTS = ("parrot", "parrot no-kernel", "parrot no-sharing", "parr
                         "throughput-centric", "latency-centric")
 
 
-def _multi_agent_run(variant: str, files: int, seed: int) -> tuple[float, float, float]:
-    """(end-to-end seconds, peak KV GB, engine-busy seconds) of one workflow run under ``variant``."""
+def _multi_agent_run(variant: str, files: int, seed: int,
+                     chunked_prefill: bool = True) -> tuple[float, float, float]:
+    """(end-to-end seconds, peak KV GB, engine-busy seconds) of one workflow run under ``variant``
+    (``chunked_prefill=False``: the engine schedules as vLLM did in 2023)."""
     from parrot.bench.multi_agent import metagpt_workflow
     from parrot.manager.policies import AppCentricWithE2, CapacityConfig
 
     cost = load_model("llama13b-a100")
     cfg = ClusterConfig(engines=1, cost_model="llama13b-a100", latency_cap_tokens=4096,
-                        throughput_cap_tokens=cost.kv_cache_tokens, seed=seed)
+                        throughput_cap_tokens=cost.kv_cache_tokens, seed=seed, chunked_prefill=chunked_prefill)
     kw: dict = {}
     baseline = variant in ("latency-centric", "throughput-centric")
     if baseline:  # request-centric: no structure, so no sharing of dynamic prefixes, vLLM's paged attention

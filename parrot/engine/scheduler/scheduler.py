@@ -5,6 +5,9 @@ the model) and ``max_num_seqs`` (running ops):
 
     plan = [ decode ops (1 token each) | running prefills (chunks) | newly admitted ops (chunks) ]
 
+(``chunked_prefill=False`` instead gives vLLM's scheduler before chunked prefill, for the simulator's 2023 baselines:
+while prompts wait and fit, an iteration is whole prompts only and the decodes wait; :meth:`Scheduler._prefill_step`.)
+
 Order of service: running ops first (decodes before prefill chunks, each group by arrival), then admission
 of waiting ops in the local policy's order (:mod:`parrot.engine.scheduler.local_policy`: FCFS, or Preble's
 priority groups by cached-token ratio). Admission also respects ``token_cap`` (the global scheduler's placement hint,
@@ -82,9 +85,10 @@ class TooLargeForPool(Exception):
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_batch_tokens: int, *, local_policy: str = "fcfs",
                  priority_groups: int = 10, tool_policy: ToolPolicy | None = None,
-                 host: HostStore | None = None) -> None:
+                 host: HostStore | None = None, chunked_prefill: bool = True) -> None:
         """``tool_policy``: how paused contexts are handled and waiting ops ranked (None: preserve every pause,
-        FCFS); ``host``: the swap space (None: no swapping; swap choices become discard)."""
+        FCFS); ``host``: the swap space (None: no swapping; swap choices become discard); ``chunked_prefill=False``:
+        the 2023 scheduler of vLLM (the Parrot paper's baselines), see :meth:`_prefill_step`."""
         if local_policy not in LOCAL_POLICIES + ("lamps",):
             raise ValueError(f"local_policy must be one of {LOCAL_POLICIES + ('lamps',)}, got {local_policy!r}")
         if priority_groups < 1:
@@ -108,6 +112,7 @@ class Scheduler:
         self.idle_contexts: dict[str, Context] = {}  # contexts holding KV with no op (eviction candidates)
         self.num_preemptions = 0
         self.token_cap: int | None = None  # max tokens in running ops' contexts when admitting (None = no cap)
+        self.chunked_prefill = chunked_prefill
 
     # ---- queue management (called by the engine loop) -----------------------------------------------------
     def add(self, op: Op) -> None:
@@ -175,6 +180,8 @@ class Scheduler:
     # ---- planning ------------------------------------------------------------------------------------------
     def schedule(self) -> BatchPlan:
         """Build the next iteration. Raises TooLargeForPool for an op that can never fit (caller fails it)."""
+        if not self.chunked_prefill and (plan := self._prefill_step()) is not None:
+            return plan
         budget = self.max_batch_tokens
         chunks: list[Chunk] = []
         preempted: list[Op] = []
@@ -220,6 +227,46 @@ class Scheduler:
         planned = tuple(c for c in chunks if c.op.status is OpStatus.RUNNING and c.op in self.running)
         # copies wait for a plan that runs (an empty plan is not executed)
         return BatchPlan(planned, tuple(preempted), self.kv.take_copies() if planned else NO_COPIES)
+
+    def _prefill_step(self) -> BatchPlan | None:
+        """Without chunked prefill (vLLM before 2024, the Parrot paper's baselines): while prompts wait and can be
+        admitted, an iteration prefills whole prompts only, as many as fit in ``max_batch_tokens``, and the running
+        decodes wait for it; None when nothing can be admitted (then :meth:`schedule` plans the decodes as ever).
+        A prompt longer than the budget is admitted alone and chunked, as the chunked scheduler would."""
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return None
+        budget = self.max_batch_tokens
+        chunks: list[Chunk] = []
+        preempted: list[Op] = []
+        admitted: list[Op] = []
+        running_tokens = sum(len(o.ctx.tokens) for o in self.running)
+        for op in self._admission_order():
+            if len(self.running) >= self.max_num_seqs:
+                break
+            if self.token_cap is not None and self.running and running_tokens + len(op.ctx.tokens) > self.token_cap:
+                break
+            needed = self.kv.pool.blocks_for(len(op.ctx.tokens) + 1)
+            if needed > self.kv.pool.capacity:
+                raise TooLargeForPool(op, needed, self.kv.pool.capacity)
+            if chunks and len(op.ctx.tokens) - self.cached_tokens(op) > budget:
+                break  # the whole prompt, or the next iteration
+            chunk = self._plan_op(op, budget, may_preempt=False, preempted=preempted)
+            if chunk is None:
+                break
+            self.waiting.remove(op)
+            op.set_status(OpStatus.RUNNING)
+            self.running.append(op)
+            admitted.append(op)
+            running_tokens += len(op.ctx.tokens)
+            chunks.append(chunk)
+            budget -= chunk.num_tokens
+            if budget <= 0:
+                break
+        if not chunks:  # nothing admitted: schedule() plans this iteration (and its LAMPS bookkeeping)
+            return None
+        if self.ranker is not None:
+            self.ranker.after_admission((o.seq_no for o in admitted), (o.seq_no for o in self.waiting))
+        return BatchPlan(tuple(chunks), (), self.kv.take_copies())
 
     def _plan_op(self, op: Op, budget: int, *, may_preempt: bool, preempted: list[Op]) -> Chunk | None:
         ctx = op.ctx
