@@ -2,8 +2,8 @@
 
 The shared-prefix path (paper §7; :meth:`~parrot.engine.layers.attention.PagedAttention._shared_prefix`) reads a
 prefix shared by a group of decode rows once per layer instead of once per row, then merges it with each row's own
-suffix by log-sum-exp. It saves memory traffic. It pays where decode attention is bound by that traffic (GPUs; the
-AVX2 path's fp16 cache under fp32 compute, ``docs/results/README.md``, prefix sharing). Where attention is bound by
+suffix by log-sum-exp. It saves memory traffic. It pays where decode attention is bound by that traffic (GPUs;
+the AVX2 machine at 32 sharers, ``docs/results/README.md``, prefix sharing). Where attention is bound by
 compute, it only costs: the same FLOPs run in extra calls, and an iteration with a shared group leaves the native
 all-layers decode op (``kernels/decode_layers.cpp``) for the per-layer path. On the avx512_bf16 path with one
 thread per engine (AMD EPYC Zen 5), the native kernel attends 16 rows over a 1,024-token shared prefix faster

@@ -76,14 +76,16 @@ def bounds(quick: bool = False, seed: int = 0) -> str:
         [[files, t, busy, busy / t, base, base / t, PAPER_FIG18_VS_LATENCY]],
         title="[bounds, Fig. 18] 1x A100 LLaMA-13B (sim): Parrot's engine-busy share (1 = no idle time left to "
               "remove; the ratio then moves only with the baseline)")
-    return fig19 + "\n\n" + fig18 + "\n\n" + without_chunked_prefill(quick, seed)
+    return fig19 + "\n\n" + fig18 + "\n\n" + without_chunked_prefill(
+        quick, seed, measured, {"parrot": t, "latency-centric": base})
 
 
-def without_chunked_prefill(quick: bool = False, seed: int = 0) -> str:
+def without_chunked_prefill(quick: bool, seed: int, new: dict[str, tuple[float, float, int]],
+                            t_new: dict[str, float]) -> str:
     """The same ratios with every engine scheduling as vLLM did in 2023, the paper's baselines: whole prompts
-    first, running decodes waiting for them (no chunked prefill; Parrot's engines too)."""
+    first, running decodes waiting for them (no chunked prefill; Parrot's engines too). ``new`` / ``t_new``: the
+    chunked-prefill runs' Fig. 19 results and Fig. 18 times (parrot, latency-centric), for the comparison."""
     old = X.mixed_results(quick, seed, chunked_prefill=False)
-    new = X.mixed_results(quick, seed)
     rows = []
     for metric, idx in (("chat", 0), ("map-reduce", 1)):
         for base in ("fifo-latency", "fifo-throughput"):
@@ -91,7 +93,6 @@ def without_chunked_prefill(quick: bool = False, seed: int = 0) -> str:
                          f"{old[base][idx] / old['parrot'][idx]:.3f}", old[base][idx], old["parrot"][idx],
                          PAPER_FIG19[metric, base]])
     files = 8 if quick else 16
-    t_new = {v: X._multi_agent_run(v, files, seed)[0] for v in ("parrot", "latency-centric")}
     t_old = {v: X._multi_agent_run(v, files, seed, chunked_prefill=False)[0] for v in ("parrot", "latency-centric")}
     rows.append([f"Fig. 18 ({files} files) vs latency-centric", f"{t_new['latency-centric'] / t_new['parrot']:.3f}",
                  f"{t_old['latency-centric'] / t_old['parrot']:.3f}", t_old["latency-centric"], t_old["parrot"],
