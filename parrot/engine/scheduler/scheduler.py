@@ -206,17 +206,9 @@ class Scheduler:
                 break
             if op in preempted:  # do not re-admit in the same iteration it was preempted
                 break
-            if self.token_cap is not None and self.running and running_tokens + len(op.ctx.tokens) > self.token_cap:
-                break  # FCFS under the placement's cap: the head waits for running ops to finish
-            needed = self.kv.pool.blocks_for(len(op.ctx.tokens) + 1)
-            if needed > self.kv.pool.capacity:
-                raise TooLargeForPool(op, needed, self.kv.pool.capacity)
-            chunk = self._plan_op(op, budget, may_preempt=False, preempted=preempted)
+            chunk = self._admit(op, budget, running_tokens, preempted)
             if chunk is None:
-                break  # FCFS: the head waits for memory
-            self.waiting.remove(op)
-            op.set_status(OpStatus.RUNNING)
-            self.running.append(op)
+                break  # FCFS: the head waits (cap or memory), and the ops behind it
             admitted.append(op)
             running_tokens += len(op.ctx.tokens)
             chunks.append(chunk)
@@ -243,19 +235,11 @@ class Scheduler:
         for op in self._admission_order():
             if len(self.running) >= self.max_num_seqs:
                 break
-            if self.token_cap is not None and self.running and running_tokens + len(op.ctx.tokens) > self.token_cap:
-                break
-            needed = self.kv.pool.blocks_for(len(op.ctx.tokens) + 1)
-            if needed > self.kv.pool.capacity:
-                raise TooLargeForPool(op, needed, self.kv.pool.capacity)
             if chunks and len(op.ctx.tokens) - self.cached_tokens(op) > budget:
                 break  # the whole prompt, or the next iteration
-            chunk = self._plan_op(op, budget, may_preempt=False, preempted=preempted)
+            chunk = self._admit(op, budget, running_tokens, preempted)
             if chunk is None:
                 break
-            self.waiting.remove(op)
-            op.set_status(OpStatus.RUNNING)
-            self.running.append(op)
             admitted.append(op)
             running_tokens += len(op.ctx.tokens)
             chunks.append(chunk)
@@ -267,6 +251,23 @@ class Scheduler:
         if self.ranker is not None:
             self.ranker.after_admission((o.seq_no for o in admitted), (o.seq_no for o in self.waiting))
         return BatchPlan(tuple(chunks), (), self.kv.take_copies())
+
+    def _admit(self, op: Op, budget: int, running_tokens: int, preempted: list[Op]) -> Chunk | None:
+        """Move waiting ``op`` to running with up to ``budget`` tokens of it planned in this iteration; None if it
+        must wait: the placement's token cap (``running_tokens``: the running ops' contexts) or memory. Raises
+        TooLargeForPool for an op the whole pool cannot hold."""
+        if self.token_cap is not None and self.running and running_tokens + len(op.ctx.tokens) > self.token_cap:
+            return None  # under the placement's cap: it waits for running ops to finish
+        needed = self.kv.pool.blocks_for(len(op.ctx.tokens) + 1)
+        if needed > self.kv.pool.capacity:
+            raise TooLargeForPool(op, needed, self.kv.pool.capacity)
+        chunk = self._plan_op(op, budget, may_preempt=False, preempted=preempted)
+        if chunk is None:
+            return None
+        self.waiting.remove(op)
+        op.set_status(OpStatus.RUNNING)
+        self.running.append(op)
+        return chunk
 
     def _plan_op(self, op: Op, budget: int, *, may_preempt: bool, preempted: list[Op]) -> Chunk | None:
         ctx = op.ctx
