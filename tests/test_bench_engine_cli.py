@@ -82,18 +82,19 @@ def test_label_comes_from_the_plan():
     def label(cpu, path, **kw):
         return variants.plan_label(make_plan(path, cpu, **kw).to_dict())
 
-    assert label(AVX2_CPU, CpuPath.AVX2) == "ours avx2 int8x2"
-    assert label(AVX2_CPU, CpuPath.AVX2, act_quant="int8") == "ours avx2 int8"
-    assert label(AVX2_CPU, CpuPath.AVX2, weight_quant="int8") == "ours avx2 int8x2 w=int8"
+    assert label(AVX2_CPU, CpuPath.AVX2) == "ours avx2 fp32/auto"
+    assert label(AVX2_CPU, CpuPath.AVX2, act_quant="int8") == "ours avx2 fp32/int8"
+    assert label(AVX2_CPU, CpuPath.AVX2, weight_quant="int8") == "ours avx2 fp32/auto w=int8"
     assert label(AVX2_CPU, CpuPath.AVX2, native=False) == "ours avx2 fp32/none torch-kernels"
     assert label(AVX2_CPU, CpuPath.PORTABLE) == "ours portable fp32/none"
-    assert label(BF16_CPU, CpuPath.AVX512_BF16) == "ours avx512_bf16 bf16/int4"
-    assert label(BF16_CPU, CpuPath.AVX512_BF16, dtype="float32") == "ours avx512_bf16 fp32/none"
+    assert label(BF16_CPU, CpuPath.AVX512_BF16) == "ours avx512_bf16 bf16/auto"
+    assert label(BF16_CPU, CpuPath.AVX512_BF16, weight_quant="none") == "ours avx512_bf16 bf16/none"
+    assert label(BF16_CPU, CpuPath.AVX512_BF16, dtype="float32") == "ours avx512_bf16 fp32/auto"
     # before the worker reported its plan (or when it failed): the variant spec
     assert bench._label("ours", "Q4_1") == "ours [default]"
     assert bench._label("ours:act_quant=int8", "Q4_1", {"ok": False}) == "ours [act_quant=int8]"
     plan = make_plan(CpuPath.AVX2, AVX2_CPU, act_quant="int8").to_dict()
-    assert bench._label("ours:act_quant=int8", "Q4_1", {"info": {"numerics": plan}}) == "ours avx2 int8"
+    assert bench._label("ours:act_quant=int8", "Q4_1", {"info": {"numerics": plan}}) == "ours avx2 fp32/int8"
     assert bench._label("llamacpp:file", "Q4_1") == "llama.cpp Q4_1"
 
 

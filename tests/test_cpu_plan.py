@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from parrot.engine.cpu import CpuInfo, CpuPath, parse_cpuinfo, probe_cpu
-from parrot.engine.numerics import KernelSupport, PathUnavailable, choose_path, make_plan
+from parrot.engine.numerics import (BIG_ROWS, DENSE_ROWS, X2_ROWS, KernelSupport, PathUnavailable, choose_path,
+                                    make_plan)
 
 _X86_BASE = "fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov sse sse2 ssse3 sse4_1 sse4_2 popcnt"
 _AVX2 = _X86_BASE + " avx f16c fma avx2 bmi1 bmi2"
@@ -21,7 +22,8 @@ CPUINFO = {
                         _AVX512 + " avx512_vnni avx512_bf16 amx_bf16 amx_tile amx_int8"),
     "old-x86": ("x86_64", "Intel(R) Xeon(R) CPU E5-2670", _X86_BASE + " avx"),
 }
-ALL_KERNELS = KernelSupport(built=True, vnni_backends=("amx", "avx512_bf16"), qdot_variants=("avx2", "scalar"))
+ALL_KERNELS = KernelSupport(built=True, vnni_backends=("amx", "avx512_bf16"),
+                            qmm_variants=("avx512vnni", "avx2", "scalar"))
 
 
 def x86(name: str) -> CpuInfo:
@@ -85,33 +87,50 @@ def test_kernel_library_limits_the_choice() -> None:
     assert choose_path("auto", cpu, KernelSupport()) is CpuPath.PORTABLE
     with pytest.raises(PathUnavailable, match="not built"):
         choose_path("avx2", cpu, KernelSupport())
-    no_amx = KernelSupport(built=True, vnni_backends=("avx512_bf16",), qdot_variants=("avx2", "scalar"))
+    no_amx = KernelSupport(built=True, vnni_backends=("avx512_bf16",), qmm_variants=("avx512vnni", "avx2", "scalar"))
     assert choose_path("auto", cpu, no_amx) is CpuPath.AVX512_BF16
     with pytest.raises(PathUnavailable, match="no amx backend"):
         choose_path("amx", cpu, no_amx)
-    scalar_only = KernelSupport(built=True, qdot_variants=("scalar",))
+    scalar_only = KernelSupport(built=True, qmm_variants=("scalar",))
     assert choose_path("auto", x86("epyc-avx2"), scalar_only) is CpuPath.PORTABLE
 
 
 def test_plans_per_path_and_overrides() -> None:
-    cpu = x86("zen5")
-    bf16 = make_plan(CpuPath.AVX512_BF16, cpu)
+    """Every native path reads GGUF codes on the quantized matmul: VPDPBUSD where the CPU has AVX512-VNNI, the AVX2
+    kernel elsewhere; bf16 paths run dense weights on their VNNI backend. act_quant sets the activation rules of
+    decode batches ("fast") and prompt batches ("precise"): (terms, two-term rows, big-batch rows)."""
+    zen5, cascade = x86("zen5"), x86("cascade-lake")
+    bf16 = make_plan(CpuPath.AVX512_BF16, zen5)
     assert (bf16.dtype, bf16.kv_dtype, bf16.weight_quant, bf16.matmul, bf16.act_quant) == \
-        ("bfloat16", "bfloat16", "int4", "vnni-avx512_bf16", "none")
-    avx2 = make_plan(CpuPath.AVX2, cpu)
-    assert (avx2.dtype, avx2.kv_dtype, avx2.weight_quant, avx2.matmul, avx2.act_quant, avx2.act_terms) == \
-        ("float32", "float16", "auto", "qdot-avx2", "int8x2", 2)
-    assert make_plan(CpuPath.AVX2, cpu, act_quant="int8").act_terms == 1
-    assert make_plan(CpuPath.AVX512, cpu).matmul == "qdot-avx2"
-    # explicit settings win: dense weights run torch's matmul, an explicit KV dtype is kept
-    dense = make_plan(CpuPath.AVX2, cpu, weight_quant="none", kv_dtype="float32")
-    assert (dense.matmul, dense.weight_quant, dense.kv_dtype, dense.native_ops) == ("torch", "none", "float32", True)
+        ("bfloat16", "bfloat16", "auto", "qmm-avx512vnni + vnni-avx512_bf16", "auto")
+    assert (bf16.fast_acts, bf16.precise_acts) == ((1, X2_ROWS, 0), (2, 0, BIG_ROWS))
+    amx = make_plan(CpuPath.AMX, x86("sapphire-rapids"))
+    assert (amx.qmm, amx.vnni) == ("avx512vnni", "amx")
+    avx2 = make_plan(CpuPath.AVX2, zen5)  # forced on a CPU that has more: still the AVX2 kernel
+    assert (avx2.dtype, avx2.kv_dtype, avx2.weight_quant, avx2.matmul, avx2.act_quant) == \
+        ("float32", "float16", "auto", "qmm-avx2", "auto")
+    assert (avx2.fast_acts, avx2.precise_acts) == ((1, X2_ROWS, 0), (2, 0, DENSE_ROWS))
+    assert make_plan(CpuPath.AVX512, cascade).matmul == "qmm-avx512vnni"
+    skylake = CpuInfo("x86_64", "skylake-x", frozenset(_AVX512.split()))  # AVX-512 without VNNI
+    assert make_plan(CpuPath.AVX512, skylake).matmul == "qmm-avx2"
+    x2 = make_plan(CpuPath.AVX512_BF16, zen5, act_quant="int8x2")
+    assert x2.fast_acts == x2.precise_acts == (2, 0, BIG_ROWS)
+    x1 = make_plan(CpuPath.AVX2, zen5, act_quant="int8")
+    assert x1.fast_acts == x1.precise_acts == (1, 0, 0)
+    # explicit settings win: dense weights run no quantized matmul, an explicit KV dtype is kept
+    dense = make_plan(CpuPath.AVX2, zen5, weight_quant="none", kv_dtype="float32")
+    assert (dense.matmul, dense.weight_quant, dense.kv_dtype, dense.native_ops, dense.act_quant) == \
+        ("torch", "none", "float32", True, "none")
+    assert make_plan(CpuPath.AVX512_BF16, zen5, weight_quant="none").matmul == "vnni-avx512_bf16"
     # attention_kernel="torch": the path's dtypes on torch's kernels (bf16 keeps torch's int4 for decode)
-    torch_bf16 = make_plan(CpuPath.AVX512_BF16, cpu, native=False)
+    torch_bf16 = make_plan(CpuPath.AVX512_BF16, zen5, native=False)
     assert (torch_bf16.matmul, torch_bf16.weight_quant, torch_bf16.native_ops) == ("torch", "int4", False)
-    torch_fp32 = make_plan(CpuPath.AVX2, cpu, native=False)
+    torch_fp32 = make_plan(CpuPath.AVX2, zen5, native=False)
     assert (torch_fp32.kv_dtype, torch_fp32.weight_quant) == ("float32", "none")
     assert "avx2 path on AMD EPYC 9B45" in avx2.describe() and avx2.to_dict()["path"] == "avx2"
+    # a library without the quantized matmul for the CPU: torch's kernels for the weights
+    none = make_plan(CpuPath.AVX2, zen5, qmm_variants=("scalar",))
+    assert (none.qmm, none.matmul, none.weight_quant) == ("", "torch", "none")
 
 
 def test_probe_reads_this_machine() -> None:
@@ -134,7 +153,7 @@ def test_engine_reports_its_plan(tiny_settings) -> None:
 
     ops = load_kernels(build_if_missing=True)
     support = KernelSupport(built=True, vnni_backends=tuple(ops.vnni_backends()),
-                            qdot_variants=tuple(ops.qdot_variants()))
+                            qmm_variants=tuple(ops.qmm_variants()))
     expected = choose_path("auto", probe_cpu(), support)
     eng = build_engine(EngineSettings(**tiny_settings))
     try:

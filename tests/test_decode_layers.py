@@ -1,7 +1,8 @@
 """The all-layers decode op (parrot/engine/kernels/decode_layers.cpp) against the per-layer native path: the same
-kernels in the same order, so the hidden states and the written KV caches are bit-identical; and the cases
-where the model must not take it. Each CPU path the machine runs is tested: the bf16 one (int4 / VNNI matmuls,
-bf16 KV; AVX512-BF16) and the integer-dot one (qdot matmuls, fp32 compute, fp16 KV; AVX2)."""
+kernels in the same order with the same decode activation rule, so the hidden states and the written KV caches
+are bit-identical; and the cases where the model must not take it. Each CPU path the machine runs is tested: the
+bf16 one (quantized / VNNI matmuls, bf16 KV; AVX512-BF16) and the fp32 ones (the quantized matmul on its
+avx512vnni and avx2 variants, fp32 compute, fp16 KV)."""
 
 from __future__ import annotations
 
@@ -14,15 +15,15 @@ import torch
 
 from parrot.engine.builder import TINY_RANDOM_CONFIG
 from parrot.engine.layers.attention import DecodeGroup, PagedAttention, PrefillMeta
-from parrot.engine.layers.int4 import NATIVE_INT4_MAX_ROWS
 from parrot.engine.layers.linear import MatmulKernels
 from parrot.engine.layers.packed import vnni_kernel
-from parrot.engine.layers.qdot import qdot_kernel
+from parrot.engine.layers.quant import ActNumerics, quant_kernel
 from parrot.engine.models.llama import FUSED_OP_NAMES, build_random_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-# head_dim 64 (the AVX-512 attention path), GQA 2:1, every matmul a multiple of 32 (int4 and VNNI packable)
+# head_dim 64 (the AVX-512 attention path), GQA 2:1, every matmul a multiple of 32 (quantized and VNNI packable)
+DECODE = ActNumerics(terms=1, x2_rows=8)  # act_quant="auto"'s decode rule
 CONFIG = dataclasses.replace(TINY_RANDOM_CONFIG, vocab_size=512, hidden_size=128, intermediate_size=256,
                              num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64)
 BS = 16
@@ -37,17 +38,19 @@ def ops(native_kernel):
 
 
 def bf16_model(ops, quant: str, kernels: MatmulKernels | None = None):
-    """The bf16 path's model (``kernels`` None: this machine's native matmuls)."""
-    if not ops.int4_available():
-        pytest.skip("no AVX512-BF16 here: the bf16 path's native matmuls do not run")
+    """The bf16 path's model (``kernels`` None: this machine's VNNI backend and quantized matmul, the auto rule)."""
+    if "avx512_bf16" not in ops.vnni_backends() or "avx512vnni" not in ops.qmm_variants():
+        pytest.skip("no AVX512-BF16 + VNNI here: the bf16 path's native matmuls do not run")
+    if kernels is None:
+        kernels = MatmulKernels(vnni=vnni_kernel("avx512_bf16"), quant=quant_kernel("avx512vnni", DECODE))
     return build_random_model(CONFIG, dtype=torch.bfloat16, weight_quant=quant, seed=3, kernels=kernels)
 
 
-def qdot_model(ops, quant: str, terms: int):
-    if "avx2" not in ops.qdot_variants():
-        pytest.skip("no AVX2 + FMA + F16C here: the integer-dot path does not run")
+def fp32_model(ops, variant: str, quant: str, act: ActNumerics):
+    if variant not in ops.qmm_variants():
+        pytest.skip(f"no {variant} quantized matmul on this CPU")
     return build_random_model(CONFIG, dtype=torch.float32, weight_quant=quant, seed=3,
-                              kernels=MatmulKernels(qdot=qdot_kernel("avx2", terms)))
+                              kernels=MatmulKernels(quant=quant_kernel(variant, act)))
 
 
 def per_layer_ops(ops) -> SimpleNamespace:
@@ -76,39 +79,38 @@ def decode_batch(rows: int, seed: int, kv_dtype: torch.dtype = torch.bfloat16):
 
 
 def run(model, ops, rows: int, seed: int, *, prefills: list[PrefillMeta] | None = None):
+    """One decode step (the runner's precise=False: decode rows only)."""
     kv_dtype = torch.float16 if model.dtype == torch.float32 else model.dtype  # the plans' KV dtypes
     ids, pos, caches, slots, group = decode_batch(rows, seed, kv_dtype)
     model.use_fused_ops(ops)
     attn = PagedAttention(caches, slots, [group], prefills or [], CONFIG.head_dim ** -0.5,
                           decode_kernel=torch.ops.parrot_kernels.paged_decode)
-    return model(ids, pos, attn), caches, attn
+    return model(ids, pos, attn, precise=False), caches, attn
 
 
-@pytest.mark.parametrize("quant,rows", [("int4", 1), ("int4", 5), ("int4", 8), ("int4", 16), ("none", 1),
-                                        ("none", 16), ("none", 64), ("none", 80)])
+@pytest.mark.parametrize("quant,rows", [("int4", 1), ("int4", 8), ("int4", 9), ("int4", 80), ("none", 1),
+                                        ("none", 80)])
 def test_bit_identical_to_the_per_layer_path(ops, quant: str, rows: int) -> None:
-    """bf16 path. int4 layers: the int4 kernel up to 8 rows, the VNNI kernel above; bf16 layers: VNNI up to its
-    row limit (64 with AVX512-BF16, 32 with AMX); above it the model falls back to the per-layer path (same
-    result, trivially)."""
+    """bf16 path: quantized layers (two activation terms up to 8 rows, one above) and dense bf16 layers (VNNI) run
+    natively at every row count, so the op is always taken and equals the per-layer path bit for bit."""
     model = bf16_model(ops, quant)
     fused, fused_caches, attn = run(model, ops, rows, seed=rows)
     assert attn.plain_decode() is not None
-    taken = all(layer.native_calls(rows) is not None for layer in model.layers)
-    limit = max(vnni_kernel().max_rows, NATIVE_INT4_MAX_ROWS if quant == "int4" else 0)
-    assert taken == (rows <= limit)
+    assert all(layer.native_calls(rows) is not None for layer in model.layers)
     per_layer, per_layer_caches, _ = run(model, per_layer_ops(ops), rows, seed=rows)
     assert torch.equal(fused, per_layer)
     for (k1, v1), (k2, v2) in zip(fused_caches, per_layer_caches):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
-@pytest.mark.parametrize("quant,terms", [("int4", 2), ("int4", 1), ("int8", 2)])
+@pytest.mark.parametrize("variant", ["avx512vnni", "avx2"])
+@pytest.mark.parametrize("quant,act", [("int4", DECODE), ("int4", ActNumerics(2, 0, 256)), ("int8", ActNumerics(1))])
 @pytest.mark.parametrize("rows", [1, 5, 16, 80])
-def test_qdot_path_bit_identical_to_the_per_layer_path(ops, quant: str, terms: int, rows: int) -> None:
-    """Integer-dot path (fp32 compute, fp16 KV written as it is converted): the qdot kernel runs every row count, so
-    the op is always taken and equals the per-layer path bit for bit (int4: one plane of 4-bit codes, int8: Q8_0
-    as two planes; one or two int8 activation terms)."""
-    model = qdot_model(ops, quant, terms)
+def test_fp32_paths_bit_identical_to_the_per_layer_path(ops, variant: str, quant: str, act: ActNumerics,
+                                                       rows: int) -> None:
+    """fp32 paths (fp16 KV written as it is converted): the quantized matmul runs every decode row count, so the op
+    is always taken and equals the per-layer path bit for bit (int4: Q4_1, int8: Q8_0; the activation rules)."""
+    model = fp32_model(ops, variant, quant, act)
     fused, fused_caches, attn = run(model, ops, rows, seed=rows)
     assert attn.plain_decode() is not None
     assert all(layer.native_calls(rows) is not None for layer in model.layers)
@@ -117,6 +119,20 @@ def test_qdot_path_bit_identical_to_the_per_layer_path(ops, quant: str, terms: i
     assert torch.equal(fused, per_layer)
     for (k1, v1), (k2, v2) in zip(fused_caches, per_layer_caches):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_precise_batches_never_take_it(ops) -> None:
+    """A forward that processes prompt tokens (precise, the default) runs layer by layer with the precise rule,
+    even when its rows happen to be plain decode rows."""
+    calls = []
+    recording = SimpleNamespace(**vars(per_layer_ops(ops)), decode_layers=lambda *a: calls.append(a))
+    model = fp32_model(ops, next(iter(ops.qmm_variants())), "int4", DECODE)
+    ids, pos, caches, slots, group = decode_batch(2, 1, torch.float16)
+    model.use_fused_ops(recording)
+    attn = PagedAttention(caches, slots, [group], [], CONFIG.head_dim ** -0.5,
+                          decode_kernel=torch.ops.parrot_kernels.paged_decode)
+    model(ids, pos, attn)
+    assert calls == []
 
 
 def test_only_plain_decode_batches_take_it(ops) -> None:
@@ -133,7 +149,7 @@ def test_only_plain_decode_batches_take_it(ops) -> None:
     assert PagedAttention(caches, slots, [shared], [], scale, decode_kernel=kernel).plain_decode() is None
 
 
-@pytest.mark.parametrize("path", ["bf16", "qdot"])
+@pytest.mark.parametrize("path", ["bf16", "fp32"])
 def test_argument_lists_built_once_and_no_op_without_native_matmuls(ops, path: str) -> None:
     """The per-row-count argument lists are built once (every decode step of that size reuses them); the same
     model assembled for the torch plan (no native matmul kernels: torch's int4 / dense fp32 weights) never takes
@@ -145,7 +161,7 @@ def test_argument_lists_built_once_and_no_op_without_native_matmuls(ops, path: s
         return ops.decode_layers(*args)
 
     recording = SimpleNamespace(**vars(per_layer_ops(ops)), decode_layers=decode_layers)
-    model = bf16_model(ops, "int4") if path == "bf16" else qdot_model(ops, "int4", 2)
+    model = bf16_model(ops, "int4") if path == "bf16" else fp32_model(ops, "avx2", "int4", DECODE)
     run(model, recording, 2, seed=1)
     run(model, recording, 2, seed=1)
     assert len(calls) == 2 and calls[0] is calls[1]

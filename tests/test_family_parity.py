@@ -134,21 +134,22 @@ def test_engine_greedy_matches_transformers(family, fmt, kernel) -> None:
 
 @pytest.mark.parametrize("dtype,quant", [(torch.bfloat16, "none"), (torch.float32, "auto")])
 def test_low_precision_paths_stay_close(family, dtype, quant) -> None:
-    """The other numerics paths run every family: bf16, and the integer-dot kernel of the avx2 / avx512 plans
-    (fp32 compute, Q8_0 weights here: the GGUF is F32) stay close to fp32 (measured: bf16 1-3 %, qdot 1-6 % of
-    the largest logit; the 6-layer Gemma-3 is the noisiest) and agree on the next token almost everywhere."""
+    """The other numerics paths run every family: bf16, and the quantized matmul of the avx2 / avx512 plans (fp32
+    compute, Q8_0 weights here: the GGUF is F32; two activation terms) stay close to fp32 (measured: bf16 1-3 %,
+    Q8_0 1-6 % of the largest logit; the 6-layer Gemma-3 is the noisiest) and agree on the next token almost
+    everywhere."""
     name, ref, paths = family
     kernels = None
     if quant != "none":
         from parrot.engine.layers.linear import MatmulKernels
-        from parrot.engine.layers.qdot import qdot_kernel
+        from parrot.engine.layers.quant import quant_kernel
 
         kernels_mod = pytest.importorskip("parrot.engine.kernels")
         ops = kernels_mod.load_kernels(build_if_missing=True)
         if ops is None:
             pytest.skip("native kernels not built")
-        variant = "avx2" if "avx2" in ops.qdot_variants() else "scalar"
-        kernels = MatmulKernels(qdot=qdot_kernel(variant, 2))
+        variant = "avx2" if "avx2" in ops.qmm_variants() else "scalar"
+        kernels = MatmulKernels(quant=quant_kernel(variant))
     fp32 = load_model(paths["gguf"], dtype=torch.float32)
     low = load_model(paths["gguf"], dtype=dtype, weight_quant=quant, kernels=kernels)
     ids = prompts(fp32.config.vocab_size)[0]
@@ -204,8 +205,9 @@ def test_phi3_longrope_table_matches_transformers(tmp_path) -> None:
 
 
 def test_default_plan_runs_every_family(family) -> None:
-    """This CPU's default numerics plan (on AVX2: integer-dot matmuls on Q8_0 weights with int8x2 activations and
-    an fp16 KV cache) serves every family through the engine: greedy continuations mostly equal fp32's."""
+    """This CPU's default numerics plan (on AVX2: the quantized matmul on Q8_0 weights and an fp16 KV cache; on
+    AVX512-BF16: dense bf16 weights, the GGUF being F32) serves every family through the engine: greedy
+    continuations mostly equal fp32's."""
     from parrot.engine.builder import plan_for
     from parrot.engine.layers.linear import MatmulKernels
 

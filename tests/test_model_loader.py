@@ -144,7 +144,7 @@ def test_int8_linear_matches_dense_and_switches_kernel_by_rows() -> None:
     assert (dequant - w).abs().max() <= s.float().max() * 0.51  # error of rounding to the int8 grid only
     x_small = torch.randn(INT8_MAX_ROWS, 64, generator=gen)
     for dtype in (torch.bfloat16, torch.float32):  # fp32 models run the int8 kernel on bf16 activations
-        layer = make_linear([(w, None)], dtype=dtype, quant="int8", kernels=MatmulKernels())
+        layer = make_linear([w], dtype=dtype, quant="int8", kernels=MatmulKernels())
         assert isinstance(layer.path, Int8Weight) and layer.path.max_rows == INT8_MAX_ROWS
         assert layer.native_call(1) is None and layer.decode_bytes() == q.nbytes + s.nbytes
         y = layer(x_small.to(dtype))
@@ -158,7 +158,7 @@ def test_int8_linear_matches_dense_and_switches_kernel_by_rows() -> None:
     torch.testing.assert_close(wide(x_big.bfloat16()).float(), x_big.bfloat16().float() @ dequant.T,
                                atol=0.02, rtol=0.01)
     with pytest.raises(ValueError, match="quant must be one of"):
-        make_linear([(w, None)], dtype=torch.float32, quant="int3", kernels=MatmulKernels())
+        make_linear([w], dtype=torch.float32, quant="int3", kernels=MatmulKernels())
 
 
 # ---- safetensors ---------------------------------------------------------------------------------------------------

@@ -94,17 +94,18 @@ def test_backends_agree(native_kernel) -> None:
     assert torch.allclose(a.float(), b.float(), rtol=2**-7, atol=1e-2)
 
 
-def test_vnni_path_runs_the_native_kernel_for_decode_rows_and_onednn_above(best, monkeypatch) -> None:
+def test_vnni_weight_is_the_one_form_at_every_row_count(best, monkeypatch) -> None:
+    """A dense bf16 layer keeps the VNNI pack alone (no oneDNN copy beside it) and runs it at every row count;
+    a shape the kernel cannot take keeps one oneDNN pack instead."""
     kernels = MatmulKernels(onednn=True, vnni=best)
     w = torch.randn(96, 64)
-    layer = make_linear([(w, None)], dtype=torch.bfloat16, quant="none", kernels=kernels)
-    assert isinstance(layer.path, VnniWeight) and layer.path.kernel is best and layer.path.max_rows == best.max_rows
-    assert isinstance(layer.path.above, PackedBf16Weight) and layer.path.above.decode is None  # no dense copy
+    layer = make_linear([w], dtype=torch.bfloat16, quant="none", kernels=kernels)
+    assert isinstance(layer.path, VnniWeight) and layer.path.kernel is best and layer.path.forms() == (layer.path,)
     assert torch.equal(layer.dense_weight(), w.bfloat16())
+    assert layer.decode_bytes() == 96 * 64 * 2
     calls: list[int] = []
 
     class Spy:
-        max_rows = best.max_rows
         backend = best.backend
 
         def linear(self, x, p):
@@ -112,14 +113,13 @@ def test_vnni_path_runs_the_native_kernel_for_decode_rows_and_onednn_above(best,
             return best.linear(x, p)
 
     monkeypatch.setattr(layer.path, "kernel", Spy())
-    for rows in (1, 2, best.max_rows, best.max_rows + 1, 200):
+    for rows in (1, 2, 64, 65, 200):
         x = torch.randn(rows, 64).bfloat16()
         _check(layer(x), x, w.bfloat16())
-    assert calls == [1, 2, best.max_rows]
-    assert layer.native_call(best.max_rows).backend == best.backend and layer.native_call(best.max_rows + 1) is None
-    # a shape the kernel cannot take keeps the oneDNN decode pack
-    odd = make_linear([(torch.randn(40, 64), None)], dtype=torch.bfloat16, quant="none", kernels=kernels)
-    assert isinstance(odd.path, PackedBf16Weight) and odd.path.decode is not None
+        assert layer.native_call(rows).weight is layer.path.packed
+    assert calls == [1, 2, 64, 65, 200]
+    odd = make_linear([torch.randn(40, 64)], dtype=torch.bfloat16, quant="none", kernels=kernels)
+    assert isinstance(odd.path, PackedBf16Weight) and odd.path.forms() == (odd.path,)
     x = torch.randn(3, 64).bfloat16()
     assert torch.equal(odd(x), F.linear(x, odd.dense_weight()))
 
@@ -133,8 +133,7 @@ def test_engine_setting_torch_turns_the_native_matmul_off(best) -> None:
     for mode in ("auto", "torch"):
         eng = build_engine(EngineSettings(random_model="tiny", dtype="bfloat16", attention_kernel=mode))
         try:
-            layers[mode] = [any(isinstance(f, VnniWeight) for f in m.path.forms())
-                            for m in eng.runner.model.modules() if isinstance(m, Linear)]
+            layers[mode] = [isinstance(m.path, VnniWeight) for m in eng.runner.model.modules() if isinstance(m, Linear)]
         finally:
             eng.shutdown()
     assert any(layers["auto"]) and not any(layers["torch"])

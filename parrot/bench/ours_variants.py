@@ -84,13 +84,13 @@ def _short_dtype(dtype: str) -> str:
 
 
 def plan_label(plan: dict) -> str:
-    """Short label of an ours system from its numerics plan (NumericsPlan.to_dict()): the CPU path, then the
-    activation quantization on the integer-dot matmuls ("ours avx2 int8x2") or compute dtype / weight quant
-    elsewhere ("ours avx512_bf16 bf16/int4"); a forced weight_quant on the integer-dot path and native kernels
-    turned off on a native path are named too."""
+    """Short label of an ours system from its numerics plan (NumericsPlan.to_dict()): the CPU path, the compute
+    dtype, then the activation rule of the quantized matmuls ("ours avx2 fp32/auto", "ours avx512_bf16 bf16/int8")
+    or the weight quant where none runs ("ours avx512_bf16 bf16/none"); a forced weight_quant on the quantized
+    matmul and native kernels turned off on a native path are named too."""
     path = plan.get("path", "?")
-    if str(plan.get("matmul", "")).startswith("qdot"):
-        label = f"ours {path} {plan.get('act_quant', '?')}"
+    if plan.get("qmm"):
+        label = f"ours {path} {_short_dtype(plan.get('dtype', '?'))}/{plan.get('act_quant', '?')}"
         if plan.get("weight_quant", "auto") != "auto":
             label += f" w={plan['weight_quant']}"
     else:

@@ -64,10 +64,9 @@ def _assemble(settings: EngineSettings, model, tokenizer, thread: EngineThread) 
         from parrot.engine.models.assembly import build_random_model
         from parrot.engine.tokenizer import load_tokenizer
 
-        # dense weights as ever on the bf16 / torch paths; the integer-dot paths run their kernel (Q8_0 planes)
+        # float weights: dense on the bf16 / torch paths, Q8_0 on the fp32 paths' quantized matmul (the "auto" rule)
         model = build_random_model(TINY_RANDOM_CONFIG, dtype=dtype, device=settings.device, seed=settings.seed,
-                                   weight_quant=plan.weight_quant if kernels.qdot is not None else "none",
-                                   kernels=kernels)
+                                   weight_quant=plan.weight_quant, kernels=kernels)
         tokenizer = load_tokenizer(resolve_model_path(None))
     if model is None:
         from parrot.engine.models.assembly import load_model
@@ -142,14 +141,15 @@ def numerics_plan(settings: EngineSettings, native) -> NumericsPlan:
                             matmul="torch", native_ops=False)
     if native is not None:
         support: KernelSupport | None = KernelSupport(built=True, vnni_backends=tuple(native.vnni_backends()),
-                                                      qdot_variants=tuple(native.qdot_variants()))
+                                                      qmm_variants=tuple(native.qmm_variants()))
     elif settings.attention_kernel == "torch" or settings.cpu_path == "auto":
         support = None  # kernels off or not built: the CPU's path, its dtypes on torch's kernels
     else:
         support = KernelSupport()  # a forced path without the library: choose_path says why it cannot run
     path = choose_path(settings.cpu_path, cpu, support)
     return make_plan(path, cpu, dtype=settings.dtype, kv_dtype=settings.kv_dtype, weight_quant=settings.weight_quant,
-                     act_quant=settings.act_quant, native=native is not None)
+                     act_quant=settings.act_quant, native=native is not None,
+                     qmm_variants=support.qmm_variants if support is not None else ())
 
 
 def _native_ops(settings: EngineSettings):

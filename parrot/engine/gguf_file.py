@@ -41,7 +41,9 @@ class GGUFFile:
     def __init__(self, path: str) -> None:
         self.path = path
         with open(path, "rb") as f:
-            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            # copy-on-write: the pages are the page cache's (shared, read lazily); nothing here ever writes them, but
+            # torch wants writable buffers to view them as tensors without a copy
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         try:
             self.fields, self.tensors = self._parse()
         except (struct.error, UnicodeDecodeError, KeyError) as exc:
@@ -54,9 +56,20 @@ class GGUFFile:
     def tensor_names(self) -> set[str]:
         return {t.name for t in self.tensors}
 
+    def release(self, info: GGUFTensorInfo) -> None:
+        """Drop the tensor's pages from this process's resident set (MADV_DONTNEED on the private mapping): a load
+        that has consumed a tensor stops counting it, so the file and what was built from it are not resident
+        together. Safe whatever still views it: nothing was written, so a later read faults the file's pages back
+        in from the page cache."""
+        page = mmap.PAGESIZE
+        start = info.offset // page * page
+        end = min(len(self._mm), -(-(info.offset + info.nbytes) // page) * page)
+        if end > start and hasattr(self._mm, "madvise"):
+            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def raw(self, info: GGUFTensorInfo) -> np.ndarray:
-        """The tensor's bytes as a read-only uint8 array [rows, row_bytes] (what ``gguf.quants.dequantize``
-        takes); a view of the file mapping, no copy."""
+        """The tensor's bytes as a uint8 array [rows, row_bytes] (what ``gguf.quants.dequantize`` takes); a view of
+        the file mapping, no copy (do not write to it)."""
         block, type_size = GGML_QUANT_SIZES[info.qtype]
         row_bytes = info.shape[-1] // block * type_size
         data = np.frombuffer(self._mm, dtype=np.uint8, count=info.nbytes, offset=info.offset)

@@ -149,8 +149,10 @@ class ModelRunner:
                 self.kv_caches, torch.tensor(slots, dtype=torch.long, device=dev), groups, prefill_meta, self.scale,
                 self.decode_kernel, self.prefill_kernel, self.attention_layers,
             )
+            # a batch that processes prompt tokens takes the precise activation rule of quantized matmuls
             hidden = self.model(
-                torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev), attn
+                torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev), attn,
+                precise=bool(prefills),
             )
         computed = tuple((c.op.ctx, c.num_tokens) for c in decodes + prefills)
         last_hidden = []
@@ -169,7 +171,7 @@ class ModelRunner:
         sampled: tuple[tuple[Op, int], ...] = ()
         token_lps: list[tuple[Op, RawLogprobs]] = []
         if sample_ops:
-            logits = self.model.compute_logits(torch.stack(sample_rows))
+            logits = self.model.compute_logits(torch.stack(sample_rows), precise=bool(prefills))
             toks = self.sampler.sample(logits, sample_ops)
             sampled = tuple(zip(sample_ops, toks))
             if any(op.sampling.logprobs is not None for op in sample_ops):  # type: ignore[union-attr]

@@ -32,17 +32,18 @@ class EngineSettings(BaseSettings):
     )
     weight_quant: Literal["auto", "none", "int8", "int4"] = Field(
         "auto",
-        description="weights: on amx / avx512_bf16, int4 = group-32 weight-only kernels for decode-sized batches "
-        "(exact for Q4_1 GGUFs; the output head runs as Q8_0) and int8 = per-row, dense GEMM for prefill; on avx512 "
-        "/ avx2 the integer-dot kernel runs every row count with int4 = 4-bit codes, int8 = Q8_0; none = dense "
-        "always; auto = int4 on the bf16 paths, and on the integer-dot paths each tensor in its GGUF's own codes "
-        "(Q4_0 / Q4_1 as 4-bit, everything else as Q8_0)",
+        description="weights: auto = each GGUF matrix in its file's own codes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, "
+        "Q5_K, Q6_K) on the native quantized matmul at every batch size, float matrices dense on the bf16 paths and "
+        "Q8_0 on the fp32 ones, other formats dequantized and run as Q8_0 (logged); int4 = every matrix as Q4_1 "
+        "(the head as Q8_0); int8 = every matrix as Q8_0; none = dense. Without the native kernels: torch's int4 / "
+        "int8 decode kernels over a dense copy, or dense",
     )
     act_quant: Literal["auto", "int8", "int8x2"] = Field(
         "auto",
-        description="activations of the integer-dot matmuls (avx512 / avx2 paths), per group of 32: int8x2 = two "
-        "int8 terms (~16 bits: greedy tokens as fp32's), int8 = one (llama.cpp's numerics: ~1.8x the matmul speed, "
-        "logits ~5x noisier than bf16 activations); auto = int8x2",
+        description="activations of the quantized matmuls, per group of 32: int8x2 = two int8 terms (~16 bits: "
+        "greedy tokens as fp32's), int8 = one (llama.cpp's precision, ~1.5x the matmul speed of two where the dot "
+        "products bound it); auto = int8x2 for batches of up to 8 rows (bound by the weight reads: the second term "
+        "is free there) and int8 above",
     )
     device: str = Field("cpu", description="'cpu' or 'cuda' (CUDA when present)")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads; None = all cores")

@@ -13,11 +13,10 @@
 // docs/results/README.md#kernel-design-measurements). Here the kernels are called through the dispatcher from C++,
 // one Python call per step.
 //
-// linear(x, w) runs the kernel the packed weight belongs to: uint8 [N/16, K/32, P * 320] = int4_linear
-// (int4_gemm.cpp), uint8 [N/8, K/32, P, 160] = qdot_linear with variant ``backend`` (qdot_gemm.cpp), bf16
-// [N/32, K/32, 2, 16, 16, 2] = vnni_linear on ``backend`` (vnni_gemm.cpp). The caller picks per layer which form
-// runs for T rows (Linear.native_call), so the results equal the per-op path's; ``act_terms`` is the qdot
-// kernel's activation precision (1 or 2 int8 terms, qdot_gemm.cpp), unused by the other kernels.
+// linear(x, w) runs the kernel the packed weight belongs to: a uint8 vector (qpack.cpp) = qlinear (qmm.cpp) on
+// ``qmm_variant`` with ``act_terms`` / ``x2_rows``, bf16 [N/32, K/32, 2, 16, 16, 2] = vnni_linear on
+// ``vnni_backend`` (vnni_gemm.cpp): the same calls with the same settings as the per-op path (Linear.native_call),
+// so the results are the same.
 //
 // The compute dtype (x, h's updates, the matmul outputs) is bfloat16 or float32; the KV caches may be stored in
 // another dtype (float32, bfloat16 or float16: the new rows are converted as they are written).
@@ -42,12 +41,12 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {
 }
 
 struct Ops {
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&)> int4_linear =
-      op<at::Tensor(const at::Tensor&, const at::Tensor&)>("parrot_kernels::int4_linear");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view)> vnni_linear =
       op<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view)>("parrot_kernels::vnni_linear");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view, int64_t)> qdot_linear =
-      op<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view, int64_t)>("parrot_kernels::qdot_linear");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view, int64_t, int64_t,
+                                      int64_t)>
+      qlinear = op<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view, int64_t, int64_t, int64_t)>(
+          "parrot_kernels::qlinear");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&)> rope =
       op<at::Tensor(const at::Tensor&, const at::Tensor&)>("parrot_kernels::rope");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul =
@@ -67,13 +66,18 @@ const Ops& ops() {
   return o;
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, c10::string_view backend, int64_t terms) {
-  if (w.scalar_type() == at::kByte && w.dim() == 4)
-    return ops().qdot_linear.call(x, w, backend, terms);
-  if (w.scalar_type() == at::kByte) return ops().int4_linear.call(x, w);
+// the settings of the two matmul kernels a model's layers run
+struct Kernels {
+  c10::string_view qmm_variant;
+  int64_t terms, x2_rows;
+  c10::string_view vnni_backend;
+};
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const Kernels& k) {
+  if (w.scalar_type() == at::kByte && w.dim() == 1) return ops().qlinear.call(x, w, k.qmm_variant, k.terms, k.x2_rows, 0);
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 6,
-              "decode_layers: a weight must be int4_pack'ed / qdot_pack'ed (uint8) or vnni_pack'ed (bfloat16)");
-  return ops().vnni_linear.call(x, w, backend);
+              "decode_layers: a weight must be qpack'ed (uint8) or vnni_pack'ed (bfloat16)");
+  return ops().vnni_linear.call(x, w, k.vnni_backend);
 }
 
 // k_cache[slot[t]] = k[t] (rows of KVH * D elements; k / v may be row-strided views), converted to the cache's dtype
@@ -111,13 +115,13 @@ at::Tensor layer(at::Tensor& h, const at::Tensor& x, const at::Tensor& rot, cons
                  const at::Tensor& o_w, const at::Tensor& gate_up_w, const at::Tensor& down_w,
                  const at::Tensor& post_norm, const at::Tensor& next_norm, double eps, at::Tensor& k_cache,
                  at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& lens,
-                 double scale, int64_t H, c10::string_view backend, int64_t terms) {
+                 double scale, int64_t H, const Kernels& kern) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.scalar_type() == k_cache.scalar_type() && v_cache.is_contiguous(),
               "decode_layers: caches must be contiguous [blocks, block_size, kv_heads, head_dim] of one dtype");
   const at::ScalarType dtype = x.scalar_type();
   const int64_t T = x.size(0), KVH = k_cache.size(2), D = k_cache.size(3);
-  const at::Tensor qkv = linear(x, qkv_w, backend, terms);
+  const at::Tensor qkv = linear(x, qkv_w, kern);
   TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "decode_layers: qkv has ", qkv.size(1), " columns, expected ",
               (H + 2 * KVH) * D);
   const at::Tensor qk = ops().rope.call(qkv.narrow(1, 0, (H + KVH) * D).view({T, H + KVH, D}), rot);
@@ -127,9 +131,9 @@ at::Tensor layer(at::Tensor& h, const at::Tensor& x, const at::Tensor& rot, cons
   const at::Tensor attn = std::get<0>(ops().paged_decode.call(qk.narrow(1, 0, H), k_cache, v_cache, tables, lens,
                                                                scale, false));
   const at::Tensor x2 =
-      ops().add_rms_norm_cast.call(h, linear(attn.view({T, H * D}), o_w, backend, terms), post_norm, eps, dtype);
+      ops().add_rms_norm_cast.call(h, linear(attn.view({T, H * D}), o_w, kern), post_norm, eps, dtype);
   const at::Tensor mlp =
-      linear(ops().silu_mul.call(linear(x2, gate_up_w, backend, terms)), down_w, backend, terms);
+      linear(ops().silu_mul.call(linear(x2, gate_up_w, kern)), down_w, kern);
   return ops().add_rms_norm_cast.call(h, mlp, next_norm, eps, dtype);
 }
 
@@ -139,8 +143,9 @@ at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x, const at::Tensor& r
                          at::TensorList o_w, at::TensorList gate_up_w, at::TensorList down_w,
                          at::TensorList post_norms, at::TensorList next_norms, double eps, at::TensorList k_caches,
                          at::TensorList v_caches, const at::Tensor& slots, const at::Tensor& tables,
-                         const at::Tensor& lens, double scale, int64_t num_heads, c10::string_view backend,
-                         int64_t act_terms) {
+                         const at::Tensor& lens, double scale, int64_t num_heads, c10::string_view qmm_variant,
+                         int64_t act_terms, int64_t x2_rows, c10::string_view vnni_backend) {
+  const Kernels kern{qmm_variant, act_terms, x2_rows, vnni_backend};
   const size_t L = qkv_w.size();
   TORCH_CHECK(o_w.size() == L && gate_up_w.size() == L && down_w.size() == L && post_norms.size() == L &&
                   next_norms.size() == L && k_caches.size() == L && v_caches.size() == L,
@@ -153,7 +158,7 @@ at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x, const at::Tensor& r
   for (size_t i = 0; i < L; ++i) {
     at::Tensor kc = k_caches[i], vc = v_caches[i];
     out = layer(h, out, rot, qkv_w[i], o_w[i], gate_up_w[i], down_w[i], post_norms[i], next_norms[i], eps, kc, vc,
-                slots, tables, lens, scale, num_heads, backend, act_terms);
+                slots, tables, lens, scale, num_heads, kern);
   }
   return out;
 }
@@ -163,8 +168,8 @@ at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x, const at::Tensor& r
 TORCH_LIBRARY_FRAGMENT(parrot_kernels, m) {
   m.def("decode_layers(Tensor(a!) h, Tensor x, Tensor rot, Tensor[] qkv_w, Tensor[] o_w, Tensor[] gate_up_w, "
         "Tensor[] down_w, Tensor[] post_norms, Tensor[] next_norms, float eps, Tensor(b!)[] k_caches, "
-        "Tensor(c!)[] v_caches, Tensor slots, Tensor tables, Tensor lens, float scale, int num_heads, str backend, "
-        "int act_terms) -> Tensor");
+        "Tensor(c!)[] v_caches, Tensor slots, Tensor tables, Tensor lens, float scale, int num_heads, "
+        "str qmm_variant, int act_terms, int x2_rows, str vnni_backend) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(parrot_kernels, CPU, m) { m.impl("decode_layers", decode_layers); }

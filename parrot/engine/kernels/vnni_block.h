@@ -84,6 +84,47 @@ void block(const c10::BFloat16* xa, int64_t ldx, const c10::BFloat16* wp, int64_
   for (int m = 0; m < MR; ++m) store32(out + m * ldo, c0[m], c1[m]);
 }
 
+// as block, for a panel already in cache: C (MR rows of 32 fp32, ldc apart) = (first ? 0 : C) + xa . panel^T over
+// KB k-steps. The big-batch quantized matmul (qmm.cpp) runs a weight's K in chunks through it.
+template <int MR>
+void block_acc(const c10::BFloat16* xa, int64_t ldx, const c10::BFloat16* wp, int64_t KB, float* C, int64_t ldc,
+               bool first) {
+  __m512 c0[MR], c1[MR];
+  for (int m = 0; m < MR; ++m) {
+    c0[m] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(C + m * ldc);
+    c1[m] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(C + m * ldc + 16);
+  }
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    const c10::BFloat16* b = wp + kb * 1024;
+    const c10::BFloat16* xk = xa + kb * 32;
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) {
+      const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + r * 32));
+      const __m512bh b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + 512 + r * 32));
+#pragma GCC unroll 12
+      for (int m = 0; m < MR; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, xk + m * ldx + 2 * r, sizeof pair);
+        const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+        c0[m] = _mm512_dpbf16_ps(c0[m], a, b0);
+        c1[m] = _mm512_dpbf16_ps(c1[m], a, b1);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    _mm512_storeu_ps(C + m * ldc, c0[m]);
+    _mm512_storeu_ps(C + m * ldc + 16, c1[m]);
+  }
+}
+
+using BlockAcc = void (*)(const c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t, float*, int64_t, bool);
+template <int... R>
+constexpr std::array<BlockAcc, sizeof...(R)> make_blocks_acc(std::integer_sequence<int, R...>) {
+  return {&block_acc<R + 1>...};
+}
+// blocks_acc[mr - 1] runs mr rows, 1 <= mr <= kMaxRows
+inline constexpr auto blocks_acc = make_blocks_acc(std::make_integer_sequence<int, kMaxRows>{});
+
 template <typename Out>
 using Block = void (*)(const c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t, Out*, int64_t, bool,
                        const c10::BFloat16*);

@@ -1,132 +1,195 @@
 """The linear layer a model holds: a thin module over exactly one weight object (layers/weight.py), whose
 numerics path is chosen once, at load, from the matmul kernels the engine's NumericsPlan allows.
 
-:func:`choose_path` (pure: the quant asked for, the compute dtype, the weight's shape, the kernels) picks
+:func:`make_linear` takes a matmul's parts (float tensors and / or GGUF tensors in their file codes, QTensor) and
+``quant``, the model's weight rule:
 
-    quant             qdot kernel (avx2 / avx512 plans)    otherwise
-    "int4"            QDotWeight                           NativeInt4Weight > base   (bf16, native int4 kernel)
-                                                           Int4Weight > base         (else, in_features % 32 == 0)
-                                                           Int8Weight > base         (else)
-    "int8"            QDotWeight                           Int8Weight > base
-    "q8_0" (a head)   -                                    NativeInt4Weight > base   (bf16, native int4 kernel)
-                                                           base                      (else)
-    "none"            base                                 base
+    kernels.quant (the native quantized matmul; every CPU path with the kernel library)
+        "auto"    GGUF parts keep their codes (QuantWeight); all-float parts are dense on a bf16 model and Q8_0
+                  on an fp32 one (the fp32 paths run no dense matmul kernel of their own); mixed: floats as Q8_0
+        "int4"    every part as Q4_1 (a Q4_1 part as it is; the others requantized from floats)
+        "int8"    every part as Q8_0 (likewise)
+        "none"    dense
+    no quantized kernel (torch's kernels: attention_kernel="torch", no kernel library)
+        GGUF parts dequantized, then "int4" -> Int4Weight > base (bf16, in_features % 32 == 0), "int8" ->
+        Int8Weight > base, anything else -> base
 
-where a shape the qdot kernel cannot pack runs ``base`` (exact), and ``base`` is the form for large batches:
+where the dense form (``base``) is
 
-    VnniWeight          bf16 with oneDNN packing and a VNNI kernel, both dims multiples of 32
+    VnniWeight          bf16 with the native VNNI kernel, both dims multiples of 32
     PackedBf16Weight    bf16 with oneDNN packing
     DenseWeight         otherwise
 
-``A > B``: A runs up to its row limit, B every larger batch (each class documents its own row-count dispatch).
+A shape the quantized kernels cannot pack (rows not a multiple of 16) is dense. ``A > B``: A runs up to its row
+limit, B every larger batch -- the torch fallback's only two-form weights; every other path keeps one form.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
-from parrot.engine.layers.int4 import (INT4_GROUP, Int4Weight, NativeInt4, NativeInt4Weight, int4_max_rows,
-                                       native_int4, native_int4_max_rows)
+from parrot.engine.layers.int4 import INT4_GROUP, Int4Weight, int4_max_rows
 from parrot.engine.layers.int8 import INT8_MAX_ROWS, Int8Weight
-from parrot.engine.layers.packed import (PackedBf16Weight, VnniKernel, VnniWeight, packed_gemm_available,
-                                         vnni_kernel)
-from parrot.engine.layers.qdot import QDOT_QUANTS, Planes, QDotKernel, QDotWeight, qdot_kernel, to_planes
+from parrot.engine.layers.packed import PackedBf16Weight, VnniKernel, VnniWeight, packed_gemm_available, vnni_kernel
+from parrot.engine.layers.quant import (FLOAT_QUANTS, ActNumerics, QTensor, QuantKernel, QuantWeight, packable,
+                                        quant_kernel, quantize_float)
 from parrot.engine.layers.weight import DenseWeight, FewRowsWeight, LinearWeight, NativeCall
 
 if TYPE_CHECKING:
     from parrot.engine.numerics import NumericsPlan
 
+log = logging.getLogger(__name__)
+
 WEIGHT_QUANTS = ("none", "int8", "int4")
-# a layer also takes "q8_0": GGUF Q8_0 as two planes of the native int4 kernel (exact for a Q8_0 weight, e.g. the
-# output head of an int4 model); only native, so without the kernel such a layer is a plain bf16 one
-LINEAR_QUANTS = (*WEIGHT_QUANTS, "q8_0")
+FLOAT_FORMATS = frozenset({"f32", "f16", "bf16", "f64", "float"})
+Part = Tensor | QTensor
 
 
 @dataclass(frozen=True)
 class MatmulKernels:
     """The matmul kernels a model's linear layers may run, fixed for the model's life: from the engine's
-    NumericsPlan (:meth:`for_plan`) or everything this machine runs but the qdot kernel (:meth:`available`, the
-    default of tests and benchmarks). Native kernels are CPU kernels: empty for another device."""
+    NumericsPlan (:meth:`for_plan`) or everything this machine runs (:meth:`available`, the default of tests and
+    benchmarks). Native kernels are CPU kernels: none for another
+    device."""
 
     onednn: bool = False  # bf16 weights pre-packed for oneDNN (layers/packed.py)
-    vnni: VnniKernel | None = None
-    int4: NativeInt4 | None = None
-    qdot: QDotKernel | None = None
+    vnni: VnniKernel | None = None  # dense bf16 weights
+    quant: QuantKernel | None = None  # GGUF-coded weights
 
     @staticmethod
     def available(device: torch.device | str, dtype: torch.dtype) -> MatmulKernels:
-        """oneDNN packing where it runs, the fastest VNNI backend and the native int4 kernel where they run."""
+        """oneDNN packing where it runs, the fastest VNNI backend, and the quantized matmul on the fastest variant
+        with two activation terms."""
         cpu = torch.device(device).type == "cpu"
+        quant = None
+        if cpu:
+            from parrot.engine.layers.quant import quant_ops
+
+            ops = quant_ops()
+            variant = next(iter(ops.qmm_variants()), None) if ops is not None else None
+            quant = quant_kernel(variant) if variant else None
         return MatmulKernels(onednn=packed_gemm_available(device, dtype), vnni=vnni_kernel() if cpu else None,
-                             int4=native_int4() if cpu else None)
+                             quant=quant)
 
     @staticmethod
     def for_plan(plan: NumericsPlan, device: torch.device | str, dtype: torch.dtype) -> MatmulKernels:
-        """``plan.matmul`` "vnni-<backend>": that VNNI backend and the native int4 kernel (int4 decode runs where
-        they do); "qdot-<variant>": the integer-dot kernel with the plan's activation terms; "torch": none. oneDNN
-        packing (torch's) wherever it runs."""
+        """The plan's kernels: the quantized matmul on ``plan.qmm`` with its activation settings, the VNNI backend
+        ``plan.vnni`` for dense bf16 weights, oneDNN packing wherever it runs (torch's)."""
         cpu = torch.device(device).type == "cpu"
-        backend, variant = plan.vnni_backend, plan.qdot_variant
+        quant = quant_kernel(plan.qmm, ActNumerics(*plan.fast_acts), ActNumerics(*plan.precise_acts)) \
+            if cpu and plan.qmm else None
         return MatmulKernels(onednn=packed_gemm_available(device, dtype),
-                             vnni=vnni_kernel(backend) if cpu and backend else None,
-                             int4=native_int4() if cpu and backend else None,
-                             qdot=qdot_kernel(variant, plan.act_terms) if cpu and variant else None)
+                             vnni=vnni_kernel(plan.vnni) if cpu and plan.vnni else None, quant=quant)
+
+
+@dataclass
+class Conversions:
+    """What a model's assembly converted (logged once at the end of the load, so nothing changes silently)."""
+
+    counts: Counter = field(default_factory=Counter)
+    examples: dict = field(default_factory=dict)
+
+    def note(self, name: str, src: str, dst: str) -> None:
+        key = (src, dst)
+        self.counts[key] += 1
+        self.examples.setdefault(key, name)
+
+    def log(self, model: str) -> None:
+        for (src, dst), n in sorted(self.counts.items()):
+            log.info("%s: %d weight(s) converted %s -> %s (e.g. %s)", model, n, src, dst, self.examples[(src, dst)])
 
 
 @dataclass(frozen=True)
 class LinearPath:
-    """The weight classes of one matmul: ``few`` (if any) for batches of up to ``few_rows`` rows over ``base``,
-    which serves every larger batch (every batch without ``few``)."""
+    """The weight object a matmul gets (:func:`choose_path`): ``weight`` its class; for a QuantWeight, ``formats``
+    the GGUF format each part runs in; for the torch fallback, ``few`` the few-row class over ``weight`` (the
+    dense base) up to ``few_rows`` rows."""
 
-    base: type[LinearWeight]
+    weight: type[LinearWeight]
+    formats: tuple[str, ...] = ()
     few: type[FewRowsWeight] | None = None
     few_rows: int | None = None
 
 
-def choose_path(quant: str, dtype: torch.dtype, shapes: Sequence[tuple[int, int]],
+def _dense_class(n: int, k: int, dtype: torch.dtype, kernels: MatmulKernels) -> type[LinearWeight]:
+    if dtype == torch.bfloat16 and kernels.vnni is not None and VnniKernel.packable(n, k):
+        return VnniWeight
+    if dtype == torch.bfloat16 and kernels.onednn:
+        return PackedBf16Weight
+    return DenseWeight
+
+
+def choose_path(parts: Sequence[tuple[tuple[int, int], str | None]], *, dtype: torch.dtype, quant: str,
                 kernels: MatmulKernels) -> LinearPath:
-    """The path of a matmul whose weight is the parts of ``shapes`` ([N_i, K], concatenated along N) for
-    ``quant`` in LINEAR_QUANTS (the table in the module docstring). Pure: no weight is touched."""
-    if quant not in LINEAR_QUANTS:
-        raise ValueError(f"quant must be one of {LINEAR_QUANTS}, got {quant!r}")
-    n, k = sum(s[0] for s in shapes), shapes[0][1]
-    if kernels.qdot is not None and quant in QDOT_QUANTS:
-        if all(QDotKernel.packable(*s) for s in shapes):
-            return LinearPath(QDotWeight)
-        quant = "none"  # a shape the kernel cannot pack: dense, exact
-    base: type[LinearWeight] = DenseWeight
-    if kernels.onednn and dtype == torch.bfloat16:
-        base = VnniWeight if kernels.vnni is not None and VnniKernel.packable(n, k) else PackedBf16Weight
-    if quant in ("int4", "q8_0") and kernels.int4 is not None and dtype == torch.bfloat16 \
-            and NativeInt4.packable(n, k):
-        return LinearPath(base, NativeInt4Weight, native_int4_max_rows(kernels.int4, quant))
-    if quant == "int4" and k % INT4_GROUP == 0:
-        return LinearPath(base, Int4Weight, int4_max_rows(base))
-    if quant == "int4":
-        quant = "int8"  # in_features the int4 groups cannot split (a small model's odd width): the int8 rule
-    if quant == "int8":
-        return LinearPath(base, Int8Weight, INT8_MAX_ROWS)
-    return LinearPath(base)  # "none", or "q8_0" without the native kernel
+    """The path of a matmul whose weight is ``parts`` -- (shape, GGUF format the kernels read it in, or None for a
+    float tensor) each, stacked along the rows -- per the rules in the module docstring. Pure: nothing is built."""
+    if quant not in (*WEIGHT_QUANTS, "auto"):
+        raise ValueError(f"quant must be one of {(*WEIGHT_QUANTS, 'auto')}, got {quant!r}")
+    if not parts or any(s[1] != parts[0][0][1] for s, _ in parts):
+        raise ValueError(f"linear weights must be 2-D with one in_features, got {[s for s, _ in parts]}")
+    n, k = sum(s[0] for s, _ in parts), parts[0][0][1]
+    if kernels.quant is not None and quant != "none" and n % 16 == 0 and k % 32 == 0:
+        all_float = all(f is None for _, f in parts)
+        if not (quant == "auto" and all_float and dtype != torch.float32):
+            target = FLOAT_QUANTS.get(quant)  # "auto": keep the GGUF codes, floats as Q8_0
+            formats = tuple(f if f is not None and (target is None or f == target) and packable(s, f)
+                            else target or "q8_0" for s, f in parts)
+            return LinearPath(QuantWeight, formats)
+    base = _dense_class(n, k, dtype, kernels)
+    if kernels.quant is None and quant == "int4" and dtype == torch.bfloat16 and k % INT4_GROUP == 0:
+        return LinearPath(base, few=Int4Weight, few_rows=int4_max_rows(base))
+    if kernels.quant is None and quant in ("int4", "int8"):
+        return LinearPath(base, few=Int8Weight, few_rows=INT8_MAX_ROWS)
+    return LinearPath(base)
 
 
-# how each class of a path is built: a base from the dense weight in the compute dtype, a few-row form from the
-# float weight (its codes are quantized from that) over the base
-_BASES: dict[type[LinearWeight], Callable[[Tensor, MatmulKernels], LinearWeight]] = {
-    DenseWeight: lambda dense, kernels: DenseWeight(dense),
-    PackedBf16Weight: lambda dense, kernels: PackedBf16Weight(dense, decode_pack=True),
-    VnniWeight: lambda dense, kernels: VnniWeight(dense, kernels.vnni),
-}
-_FEW_ROWS: dict[type[FewRowsWeight], Callable[[Tensor, LinearWeight, int, str, MatmulKernels], FewRowsWeight]] = {
-    Int8Weight: lambda weight, above, rows, quant, kernels: Int8Weight(weight, above, rows),
-    Int4Weight: lambda weight, above, rows, quant, kernels: Int4Weight(weight, above, rows),
-    NativeInt4Weight: lambda weight, above, rows, quant, kernels: NativeInt4Weight(
-        weight, above, kernels.int4, quant=quant, max_rows=rows),
-}
+def _float(part: Part) -> Tensor:
+    return part.dequantize() if isinstance(part, QTensor) else part.float()
+
+
+def build_weight(parts: Sequence[Part], path: LinearPath, *, dtype: torch.dtype, kernels: MatmulKernels,
+                 name: str = "", conversions: Conversions | None = None,
+                 sources: Sequence[str | None] | None = None) -> LinearWeight:
+    """The weight object of ``path`` from ``parts``; every part that changes form on the way (a GGUF matrix
+    dequantized or requantized, a float requantized) is noted in ``conversions`` under ``name``, with ``sources``
+    naming where a float part came from (e.g. "q3_k", dequantized by the loader for lack of a kernel)."""
+    conv = conversions if conversions is not None else Conversions()
+    sources = list(sources or [None] * len(parts))
+    fmts = [p.fmt if isinstance(p, QTensor) else (src or "float") for p, src in zip(parts, sources)]
+    if path.weight is QuantWeight:
+        coded = []
+        for p, src_fmt, fmt in zip(parts, fmts, path.formats):
+            if isinstance(p, QTensor) and p.fmt == fmt:
+                coded.append(p)
+                continue
+            if src_fmt != "float":
+                conv.note(name, src_fmt, fmt)
+            coded.append(quantize_float(_float(p), fmt))
+        return QuantWeight(coded, kernels.quant, dtype=dtype)
+    for fmt in fmts:
+        if fmt not in FLOAT_FORMATS:
+            conv.note(name, fmt, "dense " + str(dtype).removeprefix("torch."))
+    weight = torch.cat([_float(p) for p in parts]) if len(parts) > 1 else _float(parts[0])
+    w = weight.to(dtype).contiguous()
+    base: LinearWeight
+    if path.weight is VnniWeight:
+        base = VnniWeight(w, kernels.vnni)
+    elif path.weight is PackedBf16Weight:
+        base = PackedBf16Weight(w)
+    else:
+        base = DenseWeight(w)
+    if path.few is Int4Weight:
+        return Int4Weight(weight, base, path.few_rows)
+    if path.few is Int8Weight:
+        return Int8Weight(weight, base, path.few_rows)
+    return base
 
 
 class Linear(nn.Module):
@@ -153,8 +216,8 @@ class Linear(nn.Module):
     def quant(self) -> str:
         return self.path.quant
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.path.forward(x)
+    def forward(self, x: Tensor, precise: bool = True) -> Tensor:
+        return self.path.forward(x, precise)
 
     def native_call(self, rows: int) -> NativeCall | None:
         return self.path.native_call(rows)
@@ -169,20 +232,11 @@ class Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, quant={self.quant}: {self.path.describe()}"
 
 
-def make_linear(parts: Sequence[tuple[Tensor, str | None]], *, dtype: torch.dtype, quant: str,
-                kernels: MatmulKernels) -> Linear:
-    """The layer of a matmul whose weight is ``parts`` (2-D float weights, concatenated along the output dim, each
-    with its GGUF format or None) in the compute ``dtype``, on the path :func:`choose_path` picks. A qdot weight
-    keeps each part's own codes where its format allows (layers/qdot.py)."""
-    if not parts or any(w.dim() != 2 or w.shape[1] != parts[0][0].shape[1] for w, _ in parts):
-        raise ValueError(f"linear weights must be 2-D with one in_features, got "
-                         f"{[tuple(w.shape) for w, _ in parts]}")
-    path = choose_path(quant, dtype, [(w.shape[0], w.shape[1]) for w, _ in parts], kernels)
-    if path.base is QDotWeight:
-        planes = Planes.cat([to_planes(w, quant, fmt) for w, fmt in parts])
-        return Linear(QDotWeight(planes, kernels.qdot, dtype=dtype, quant=quant))
-    weight = torch.cat([w for w, _ in parts]) if len(parts) > 1 else parts[0][0]
-    base = _BASES[path.base](weight.to(dtype).contiguous(), kernels)
-    if path.few is None:
-        return Linear(base)
-    return Linear(_FEW_ROWS[path.few](weight, base, path.few_rows, quant, kernels))
+def make_linear(parts: Sequence[Part], *, dtype: torch.dtype, quant: str, kernels: MatmulKernels, name: str = "",
+                conversions: Conversions | None = None, sources: Sequence[str | None] | None = None) -> Linear:
+    """The layer of a matmul whose weight is ``parts`` (float tensors and / or QTensors, stacked along the output
+    dim) on the path :func:`choose_path` picks."""
+    desc = [(tuple(p.shape), p.fmt if isinstance(p, QTensor) and packable(p.shape, p.fmt) else None) for p in parts]
+    path = choose_path(desc, dtype=dtype, quant=quant, kernels=kernels)
+    return Linear(build_weight(parts, path, dtype=dtype, kernels=kernels, name=name, conversions=conversions,
+                               sources=sources))

@@ -1,18 +1,13 @@
-"""Pre-packed bf16 weights: oneDNN's packs (any CPU with oneDNN bf16) and the native VNNI GEMM's (AMX /
-AVX512-BF16), as the weight objects :class:`PackedBf16Weight` and :class:`VnniWeight`.
+"""Dense bf16 weights, pre-packed once: the native VNNI GEMM's layout (AMX / AVX512-BF16) or oneDNN's, as the weight
+objects :class:`VnniWeight` and :class:`PackedBf16Weight`; each is the layer's one resident form at every row count.
 
 ``F.linear`` on a plain [N, K] bf16 weight makes oneDNN re-layout ("copy B chunk into buffer") the weight on
 every call before its AMX/AVX512-BF16 micro-kernels can run; at decode sizes that copy costs as much as the
 multiply. ``torch.ops.mkldnn._reorder_linear_weight`` does the re-layout once, for an expected row count, and
-``torch.ops.mkldnn._linear_pointwise`` multiplies with the packed weight. Results are bit-identical to
-``F.linear`` (same micro-kernels) and faster: a pack for 64 rows serves decode batches (up to 128 rows), one for
-512 rows prefill. fp32 weights gain nothing and are not packed. Figures for both packs and the VNNI kernel below:
-docs/results/README.md#kernel-design-measurements.
-
-On a CPU with AMX or AVX512-BF16, the decode pack is instead the layout of the native ``vnni_linear`` kernel
-(parrot/engine/kernels/vnni_gemm.cpp) when the library is built and the shape allows it (both dims multiples of
-32): at a few dozen rows it streams the weights at the machine's read bandwidth, well above oneDNN; above its row
-limit (per backend) the oneDNN prefill pack runs, so there are still two bf16 copies.
+``torch.ops.mkldnn._linear_pointwise`` multiplies with the packed weight (bit-identical to ``F.linear``). Where
+the native kernel library runs (a CPU with AMX or AVX512-BF16), ``vnni_linear`` (kernels/vnni_gemm.cpp) takes
+its own layout instead: it streams the weights at the machine's read bandwidth at decode sizes, where oneDNN does
+not. fp32 weights gain nothing from packing and stay plain (DenseWeight).
 """
 
 from __future__ import annotations
@@ -25,17 +20,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from parrot.engine.layers.weight import FewRowsWeight, LinearWeight, NativeCall
+from parrot.engine.layers.weight import LinearWeight, NativeCall
 
 log = logging.getLogger(__name__)
 
-# rows the two packs are laid out for, and the row count above which the prefill pack is used
-DECODE_PACK_ROWS = 64
+# the activation row count oneDNN's pack is laid out for (it serves every row count)
 PREFILL_PACK_ROWS = 512
-DECODE_PACK_MAX_ROWS = 128
-# rows up to which the native kernel's pack is used, per backend (above: the oneDNN prefill pack): where it stops
-# beating oneDNN on SmolLM2's matmul shapes (docs/results/README.md#kernel-design-measurements)
-VNNI_MAX_ROWS = {"amx": 32, "avx512_bf16": 64}
+VNNI_BACKENDS = ("amx", "avx512_bf16")  # fastest first
 
 
 def packed_gemm_available(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -45,7 +36,7 @@ def packed_gemm_available(device: torch.device | str, dtype: torch.dtype) -> boo
     try:
         w = torch.randn(32, 64).to(dtype)
         x = torch.randn(3, 64).to(dtype)
-        return torch.equal(packed_linear(x, pack_weight(w, DECODE_PACK_ROWS)), torch.nn.functional.linear(x, w))
+        return torch.equal(packed_linear(x, pack_weight(w, PREFILL_PACK_ROWS)), torch.nn.functional.linear(x, w))
     except (RuntimeError, AttributeError):
         return False
 
@@ -66,7 +57,6 @@ class VnniKernel:
 
     ops: Any
     backend: str
-    max_rows: int  # VnniWeight runs it for 1..max_rows rows
 
     @staticmethod
     def packable(n: int, k: int) -> bool:
@@ -93,7 +83,7 @@ def vnni_kernels() -> list[VnniKernel]:
     if ops is None or not hasattr(ops, "vnni_linear"):
         return []
     have = set(ops.vnni_backends())
-    return [VnniKernel(ops, b, VNNI_MAX_ROWS[b]) for b in VNNI_MAX_ROWS if b in have]
+    return [VnniKernel(ops, b) for b in VNNI_BACKENDS if b in have]
 
 
 @functools.cache
@@ -105,53 +95,49 @@ def vnni_kernel(backend: str | None = None) -> VnniKernel | None:
 
 
 class PackedBf16Weight(LinearWeight):
-    """A bf16 weight pre-packed for oneDNN (no dense copy is kept):
+    """A bf16 weight pre-packed once for oneDNN (for PREFILL_PACK_ROWS-row activations; no dense copy is kept),
+    every row count: the dense bf16 form where the native VNNI kernel does not run."""
 
-        rows <= DECODE_PACK_MAX_ROWS    the pack for DECODE_PACK_ROWS rows     (``decode_pack=True``)
-        more rows                       the pack for PREFILL_PACK_ROWS rows    (every row count without the
-                                                                                decode pack: under a VnniWeight)
-    """
-
-    def __init__(self, dense: Tensor, *, decode_pack: bool) -> None:
+    def __init__(self, dense: Tensor) -> None:
         super().__init__(dense.shape[0], dense.shape[1], dense.dtype, "none")
-        self.decode = pack_weight(dense, DECODE_PACK_ROWS) if decode_pack else None
-        self.prefill = pack_weight(dense, PREFILL_PACK_ROWS)
+        self.packed = pack_weight(dense, PREFILL_PACK_ROWS)
 
-    def forward(self, x: Tensor) -> Tensor:
-        small = self.decode is not None and x.shape[0] <= DECODE_PACK_MAX_ROWS
-        return packed_linear(x, self.decode if small else self.prefill)
+    def forward(self, x: Tensor, precise: bool = True) -> Tensor:
+        return packed_linear(x, self.packed)
 
     def native_call(self, rows: int) -> NativeCall | None:
         return None
 
     def dense(self) -> Tensor:
-        return self.prefill.to_dense()
+        return self.packed.to_dense()
 
     def decode_bytes(self) -> int:
         return self.out_features * self.in_features * self.dtype.itemsize
 
 
-class VnniWeight(FewRowsWeight):
-    """The native VNNI bf16 GEMM (kernels/vnni_gemm.cpp, AMX or AVX512-BF16) for decode-sized batches:
-
-        rows <= kernel.max_rows    ``vnni_linear`` on the kernel's packed layout
-        more rows                  the oneDNN prefill pack (a PackedBf16Weight without the decode pack)
-
-    The weight must be bf16 with both dims multiples of 32 (:meth:`VnniKernel.packable`)."""
+class VnniWeight(LinearWeight):
+    """A bf16 weight in the native VNNI GEMM's layout (kernels/vnni_gemm.cpp, AMX or AVX512-BF16), every row count:
+    the one dense bf16 form on those CPUs. The weight must have both dims multiples of 32
+    (:meth:`VnniKernel.packable`)."""
 
     def __init__(self, dense: Tensor, kernel: VnniKernel) -> None:
-        super().__init__(PackedBf16Weight(dense, decode_pack=False), kernel.max_rows, "none")
+        super().__init__(dense.shape[0], dense.shape[1], dense.dtype, "none")
         self.kernel = kernel
         self.packed = kernel.pack(dense)
 
-    def _few(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, precise: bool = True) -> Tensor:
         return self.kernel.linear(x, self.packed)
 
-    def _few_call(self) -> NativeCall | None:
-        return NativeCall(self.packed, self.kernel.backend)
+    def native_call(self, rows: int) -> NativeCall | None:
+        return NativeCall(self.packed)
+
+    def dense(self) -> Tensor:
+        n, k = self.out_features, self.in_features
+        # [N/32, K/32, 2, 16, 16, 2] -> [N, K] (vnni_block.h: P[n][kb][j][r][c][i] = W[32 n + 16 j + c][32 kb + 2 r + i])
+        return self.packed.permute(0, 2, 4, 1, 3, 5).reshape(n, k)
 
     def decode_bytes(self) -> int:
-        return self.above.decode_bytes()
+        return self.packed.nbytes
 
     def describe(self) -> str:
-        return f"VnniWeight[{self.kernel.backend}] (<= {self.max_rows} rows) > {self.above.describe()}"
+        return f"VnniWeight[{self.kernel.backend}]"

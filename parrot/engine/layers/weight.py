@@ -3,17 +3,16 @@
 Each object computes ``y = x @ W.T`` (2-D ``x`` [rows, in_features], no bias) and owns its row-count dispatch:
 
     weight object       runs                                                 module
+    QuantWeight         the native quantized matmul on the GGUF file's       layers/quant.py
+                        codes, every row count
+    VnniWeight          the native bf16 GEMM, every row count                layers/packed.py
+    PackedBf16Weight    oneDNN on one bf16 pack, every row count             layers/packed.py
     DenseWeight         F.linear at every row count                          here
-    PackedBf16Weight    oneDNN on bf16 packs, one per row range              layers/packed.py
-    VnniWeight          the native bf16 GEMM up to its rows, then ``above``  layers/packed.py
     Int8Weight          torch's int8 kernel up to max_rows, then ``above``   layers/int8.py
     Int4Weight          torch's int4 kernel up to max_rows, then ``above``   layers/int4.py
-    NativeInt4Weight    the native int4 kernel (int4 / Q8_0 planes) up to    layers/int4.py
-                        max_rows, then ``above``
-    QDotWeight          the integer-dot kernel at every row count            layers/qdot.py
 
-The few-row forms (:class:`FewRowsWeight`) hold the form that serves larger batches (``above``), so one object
-answers for every row count, e.g. NativeInt4Weight (1-8 rows) > VnniWeight (9-64) > PackedBf16Weight (more).
+All but the last two keep one resident form. Int8Weight / Int4Weight (:class:`FewRowsWeight`) are the fallback
+when the native kernel library does not run: they hold the form that serves larger batches (``above``) too.
 """
 
 from __future__ import annotations
@@ -29,18 +28,16 @@ from torch import Tensor
 @dataclass(frozen=True)
 class NativeCall:
     """A packed weight as the all-layers decode op (kernels/decode_layers.cpp) takes it: the op tells the kernel
-    from the weight's dtype and shape; ``backend`` is the VNNI backend or the qdot variant ("" for the int4 kernel)
-    and ``act_terms`` the qdot kernel's activation terms (1 for the others)."""
+    from the weight's dtype and shape (a uint8 vector: qlinear; bf16 [N/32, K/32, 2, 16, 16, 2]: vnni_linear) and
+    runs it with the model's settings for that kernel."""
 
     weight: Tensor
-    backend: str = ""
-    act_terms: int = 1
 
 
 class LinearWeight(ABC):
     """One numerics path of a linear layer: ``forward(x)`` for any row count, the same kernel for the same row
     count every call. ``dtype`` is the compute dtype (activations and outputs), ``quant`` the weight form the
-    layer was asked for ("none", "int8", "int4", "q8_0")."""
+    layer runs ("none", "int8", "int4", or the GGUF formats of a QuantWeight, e.g. "q4_k+q6_k")."""
 
     def __init__(self, out_features: int, in_features: int, dtype: torch.dtype, quant: str) -> None:
         self.out_features, self.in_features = out_features, in_features
@@ -48,8 +45,9 @@ class LinearWeight(ABC):
         self.quant = quant
 
     @abstractmethod
-    def forward(self, x: Tensor) -> Tensor:
-        """``x @ W.T`` for 2-D ``x`` in the compute dtype."""
+    def forward(self, x: Tensor, precise: bool = True) -> Tensor:
+        """``x @ W.T`` for 2-D ``x`` in the compute dtype. ``precise``: the batch processes prompt tokens (False:
+        decode rows only), which only a QuantWeight's activation rule looks at (layers/quant.py)."""
 
     @abstractmethod
     def native_call(self, rows: int) -> NativeCall | None:
@@ -81,7 +79,7 @@ class DenseWeight(LinearWeight):
         super().__init__(weight.shape[0], weight.shape[1], weight.dtype, quant)
         self.weight = weight
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, precise: bool = True) -> Tensor:
         return F.linear(x, self.weight)
 
     def native_call(self, rows: int) -> NativeCall | None:
@@ -115,8 +113,8 @@ class FewRowsWeight(LinearWeight):
     def _few_call(self) -> NativeCall | None:
         """What :meth:`_few` hands a native kernel (None: a torch kernel)."""
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self._few(x) if x.shape[0] <= self.max_rows else self.above.forward(x)
+    def forward(self, x: Tensor, precise: bool = True) -> Tensor:
+        return self._few(x) if x.shape[0] <= self.max_rows else self.above.forward(x, precise)
 
     def native_call(self, rows: int) -> NativeCall | None:
         return self._few_call() if rows <= self.max_rows else self.above.native_call(rows)

@@ -18,10 +18,11 @@ from parrot.engine.loader.safetensors_loader import iter_safetensors_weights, to
 __all__ = ["iter_weights", "weight_formats", "iter_gguf_weights", "iter_safetensors_weights", "to_hf_layout", "to_interleaved"]
 
 
-def iter_weights(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Weights of a GGUF file or an HF safetensors dir (``config`` must be ``read_model_config(path)``)."""
+def iter_weights(path: str, config: ModelConfig, *, keep_codes: bool = False) -> Iterator[tuple[str, object]]:
+    """Weights of a GGUF file or an HF safetensors dir (``config`` must be ``read_model_config(path)``): float32
+    tensors, and with ``keep_codes`` a GGUF's natively run matrices as QTensor (parrot.engine.layers.quant)."""
     if is_gguf_file(path):
-        return iter_gguf_weights(path, config)
+        return iter_gguf_weights(path, config, keep_codes=keep_codes)
     return iter_safetensors_weights(path, config)
 
 

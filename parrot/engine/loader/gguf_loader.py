@@ -1,4 +1,6 @@
-"""Weights of a GGUF file, dequantized to float32 with the ``gguf`` package, under canonical (HF) names.
+"""Weights of a GGUF file under canonical (HF) names: float32 (dequantized with the ``gguf`` package), or, with
+``keep_codes``, the matrices in a format the quantized kernels read as :class:`QTensor` (the file's bytes, a view of
+its mapping: no float round trip).
 
 GGUF stores a tensor with dims ``ne = [in_features, out_features]`` (fastest first), i.e. numpy shape
 ``[out, in]`` = the torch ``nn.Linear`` weight layout. llama.cpp's converter permutes the rows of ``attn_q`` /
@@ -20,7 +22,8 @@ import torch
 from gguf.quants import dequantize
 
 from parrot.engine.config import ModelConfig
-from parrot.engine.gguf_file import GGUFFile
+from parrot.engine.gguf_file import GGUFFile, GGUFTensorInfo
+from parrot.engine.layers.quant import NATIVE_FORMATS, QTensor
 from parrot.engine.loader.safetensors_loader import rope_heads, split_fused, to_interleaved
 from parrot.engine.models.registry import Family, family_for_gguf
 
@@ -68,30 +71,57 @@ def gguf_family(gf: GGUFFile) -> Family:
     return family_for_gguf(gf.get("general.architecture"))
 
 
-def iter_gguf_weights(path: str, config: ModelConfig | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(canonical name, float32 tensor)`` for every weight of the GGUF file, in file order (which is
-    layer by layer, so a consumer can finish one layer before the next arrives). ``config``: the file's
-    ModelConfig (read from the file when None)."""
+def _as_qtensor(gf: GGUFFile, info: GGUFTensorInfo) -> QTensor | None:
+    """The tensor as the file stores it, when it is a matrix in a natively run format (else None)."""
+    fmt = info.qtype.name.lower()
+    if len(info.shape) != 2 or fmt not in NATIVE_FORMATS:
+        return None
+    return QTensor(fmt, torch.from_numpy(gf.raw(info)), (info.shape[0], info.shape[1]))
+
+
+def _float(gf: GGUFFile, info: GGUFTensorInfo) -> torch.Tensor:
+    try:
+        array = dequantize(gf.raw(info), info.qtype)
+    except NotImplementedError as exc:
+        raise ValueError(f"cannot dequantize {info.name} of type {info.qtype.name}: {exc}") from exc
+    # a copy: an F32 tensor's "dequantization" is a view of the mapping, which the model must not keep
+    return torch.from_numpy(np.array(array, dtype=np.float32, copy=True).reshape(info.shape))
+
+
+def _rows_interleaved(t: torch.Tensor | QTensor, heads: int) -> torch.Tensor | QTensor:
+    """Q/K rows (and biases) from HF's half-split RoPE order to the interleaved one; a QTensor's whole rows move."""
+    if isinstance(t, QTensor):
+        return t.select(to_interleaved(torch.arange(t.shape[0]), heads))
+    return to_interleaved(t, heads).contiguous()
+
+
+def iter_gguf_weights(path: str, config: ModelConfig | None = None, *,
+                      keep_codes: bool = False) -> Iterator[tuple[str, torch.Tensor | QTensor]]:
+    """Yield ``(canonical name, tensor)`` for every weight of the GGUF file, in file order (which is layer by layer,
+    so a consumer can finish one layer before the next arrives): float32 tensors, or with ``keep_codes`` a
+    QTensor for each matrix in a format of NATIVE_FORMATS. A quantized matrix in another format is dequantized
+    (logged once per format). ``config``: the file's ModelConfig (read from the file when None)."""
     gf = GGUFFile(path)
     family = gguf_family(gf)
     if config is None:
         from parrot.engine.config import config_from_gguf
 
         config = config_from_gguf(gf)
+    no_kernel: dict[str, list[str]] = {}
     for tensor in gf.tensors:
         name = canonical_name(tensor.name, family)
         if name is None:
             continue
-        try:
-            array = dequantize(gf.raw(tensor), tensor.qtype)
-        except NotImplementedError as exc:
-            raise ValueError(f"cannot dequantize {tensor.name} of type {tensor.qtype.name}: {exc}") from exc
-        array = np.ascontiguousarray(array, dtype=np.float32).reshape(tensor.shape)
-        if not array.flags.writeable:  # F32 tensors are views of the read-only file mapping
-            array = array.copy()
-        for part, out in split_fused(name, torch.from_numpy(array), config):
+        coded = _as_qtensor(gf, tensor) if keep_codes else None
+        if coded is None and keep_codes and len(tensor.shape) == 2 and tensor.qtype.name.lower() not in (
+                "f32", "f16", "bf16", "f64"):
+            no_kernel.setdefault(tensor.qtype.name, []).append(tensor.name)
+        value = coded if coded is not None else _float(gf, tensor)
+        for part, out in split_fused(name, value, config):
             heads = None if family.gguf_permuted_qk else rope_heads(part, config)
-            if heads is not None:
-                out = to_interleaved(out, heads).contiguous()
-            yield part, out
+            yield part, (out if heads is None else _rows_interleaved(out, heads))
+        gf.release(tensor)  # consumed (or copied by the consumer): its pages leave the resident set
+    for qtype, names in no_kernel.items():
+        logger.warning("%s: %d tensor(s) in %s, which has no native kernel (e.g. %s): dequantized to float32, "
+                       "then run as the load's weight rule says (logged there)", path, len(names), qtype, names[0])
     logger.debug("read %d tensors from %s", len(gf.tensors), path)

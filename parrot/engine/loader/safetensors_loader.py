@@ -63,9 +63,9 @@ def to_hf_layout(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
             .transpose(1, 2).reshape(weight.shape))
 
 
-def split_fused(name: str, tensor: torch.Tensor, config: ModelConfig) -> list[tuple[str, torch.Tensor]]:
-    """A fused checkpoint tensor (Phi-3's ``qkv_proj`` / ``gate_up_proj``) as its canonical parts; any other
-    tensor as itself."""
+def split_fused(name: str, tensor, config: ModelConfig) -> list[tuple[str, object]]:
+    """A fused checkpoint tensor (Phi-3's ``qkv_proj`` / ``gate_up_proj``; a float tensor or a GGUF QTensor,
+    split by whole rows) as its canonical parts; any other tensor as itself."""
     from parrot.engine.models.phi3 import FUSED
 
     prefix, _, local = name.rpartition("layers.")
@@ -76,7 +76,10 @@ def split_fused(name: str, tensor: torch.Tensor, config: ModelConfig) -> list[tu
              else [config.intermediate_size] * 2)
     if tensor.shape[0] != sum(sizes):
         raise ValueError(f"fused weight {name!r} has {tensor.shape[0]} rows, expected {sum(sizes)}")
-    return [(f"{prefix}layers.{layer}.{part}", t) for part, t in zip(FUSED[local], tensor.split(sizes))]
+    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    pieces = [tensor[a:b] if isinstance(tensor, torch.Tensor) else tensor.select(slice(a, b))
+              for a, b in zip(bounds, bounds[1:])]
+    return [(f"{prefix}layers.{layer}.{part}", t) for part, t in zip(FUSED[local], pieces)]
 
 
 def iter_safetensors_weights(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:

@@ -29,8 +29,8 @@ from torch import Tensor
 from parrot.engine.config import ModelConfig, read_model_config
 from parrot.engine.layers.int4 import int4_kernel_available
 from parrot.engine.layers.int8 import int8_compute_dtype, int8_kernel_available
-from parrot.engine.layers.linear import WEIGHT_QUANTS, Linear, MatmulKernels, make_linear
-from parrot.engine.layers.qdot import EXACT_FORMATS, QDotKernel
+from parrot.engine.layers.linear import WEIGHT_QUANTS, Conversions, Linear, MatmulKernels, make_linear
+from parrot.engine.layers.quant import DenseEmbedding, Embedding, QTensor, QuantEmbedding, QuantWeight, packable
 from parrot.engine.loader import iter_weights, weight_formats
 from parrot.engine.model_files import resolve_model_path
 from parrot.engine.models.decoder import CausalLM, DecoderLayer
@@ -87,12 +87,18 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
 
 
-def _qdot_quant(weight_quant: str, formats: list[str | None]) -> str:
-    """The qdot weight form of a (fused) matmul whose parts came in ``formats``: "auto" keeps a Q4_0 / Q4_1 file's
-    4-bit codes and runs everything else as Q8_0 (exact for a Q8_0 file, near-lossless for wider formats)."""
-    if weight_quant != "auto":
-        return weight_quant
-    return "int4" if all(f in EXACT_FORMATS["int4"] for f in formats) else "int8"
+def _embedding(table: Tensor | QTensor, lm_head: Linear, tied: bool, kernels: MatmulKernels, weight_quant: str,
+               device, dtype: torch.dtype) -> Embedding:
+    """The token table: the tied head's packed codes, or the file's quantized token_embd packed on its own, where
+    the quantized kernels run (no dense copy); else dense in the compute dtype."""
+    head = lm_head.path
+    if tied and isinstance(head, QuantWeight):
+        return QuantEmbedding(head.packed, head.kernel.ops, dtype)
+    if (isinstance(table, QTensor) and kernels.quant is not None and weight_quant != "none"
+            and packable(table.shape, table.fmt)):
+        return QuantEmbedding(kernels.quant.pack([table]), kernels.quant.ops, dtype)
+    dense = table.dequantize() if isinstance(table, QTensor) else table
+    return DenseEmbedding(dense.to(device=device, dtype=dtype))
 
 
 def _float_part(cfg: ModelConfig, part: str, ws: list[Tensor], device, dtype: torch.dtype) -> Tensor:
@@ -104,39 +110,38 @@ def _float_part(cfg: ModelConfig, part: str, ws: list[Tensor], device, dtype: to
     return ws[0].to(device=device, dtype=torch.float32)
 
 
-def assemble_model(config: ModelConfig, weights: Iterable[tuple[str, Tensor]], *, dtype: torch.dtype,
+def assemble_model(config: ModelConfig, weights: Iterable[tuple[str, Tensor | QTensor]], *, dtype: torch.dtype,
                    device: str | torch.device = "cpu", weight_quant: str = "none",
                    kernels: MatmulKernels | None = None, formats: Mapping[str, str] | None = None) -> CausalLM:
-    """Build the model from ``(canonical name, float tensor)`` pairs in any order.
+    """Build the model from ``(canonical name, tensor)`` pairs in any order: float tensors, and GGUF matrices in
+    their file codes (QTensor) where the loader kept them.
 
-    ``kernels``: the matmul kernels the layers may run (the engine's NumericsPlan: MatmulKernels.for_plan; None =
-    everything this machine runs but the qdot kernel). With ``kernels.qdot`` every matmul (weight_quant "int4" /
-    "int8" / "auto") runs the integer-dot kernel, and ``formats`` (canonical name -> GGUF format, e.g. "q4_1")
-    lets it keep a file's own codes (layers/qdot.py); without it, weight_quant "auto" means "int4"."""
+    ``kernels``: the matmul kernels the layers may run (the engine's NumericsPlan: MatmulKernels from
+    parrot.engine.numerics; None = everything this machine runs). ``weight_quant`` is the rule of
+    parrot.engine.layers.linear ("auto": each matrix as its file stores it where a kernel reads that format);
+    ``formats`` (canonical name -> GGUF format) names where dequantized floats came from, for the log of what
+    was converted. The output head keeps the file's format ("int4" makes it Q8_0, not 4-bit: a 4-bit head flips
+    borderline greedy tokens); a tied head's codes serve the embedding lookups too."""
     if weight_quant not in (*WEIGHT_QUANTS, "auto"):
         raise ValueError(f"weight_quant must be one of {(*WEIGHT_QUANTS, 'auto')}, got {weight_quant!r}")
     if dtype not in COMPUTE_DTYPES:
         raise ValueError(f"dtype must be one of {COMPUTE_DTYPES}, got {dtype}")
     kernels = kernels if kernels is not None else MatmulKernels.available(device, dtype)
-    if torch.device(device).type != "cpu" and any(k is not None for k in (kernels.vnni, kernels.int4, kernels.qdot)):
+    if torch.device(device).type != "cpu" and any(k is not None for k in (kernels.vnni, kernels.quant)):
         raise ValueError(f"the native matmul kernels run on the CPU, not on {device!r}")
     formats = formats or {}
-    if weight_quant == "none":
-        kernels = replace(kernels, qdot=None)  # an unquantized model runs no integer-dot matmul
-    if kernels.qdot is None and weight_quant == "auto":
-        weight_quant = "int4"
+    conversions = Conversions()
     shapes = _expected_shapes(config)
     table = layer_parts(config)
     sizes = _part_sizes(table)
-    pending: dict[tuple[int, str], dict[int, tuple[Tensor, str | None]]] = {}
+    pending: dict[tuple[int, str], dict[int, tuple[str, Tensor | QTensor]]] = {}
     parts: list[dict[str, Tensor | Linear]] = [{} for _ in range(config.num_layers)]
-    globals_: dict[str, Tensor] = {}
+    globals_: dict[str, Tensor | QTensor] = {}
 
-    def linear(ws: list[tuple[Tensor, str | None]], quant: str) -> Linear:
-        return make_linear([(w.to(device), f) for w, f in ws], dtype=dtype, quant=quant, kernels=kernels)
-
-    def layer_quant(ws: list[tuple[Tensor, str | None]]) -> str:
-        return _qdot_quant(weight_quant, [f for _, f in ws]) if kernels.qdot is not None else weight_quant
+    def linear(named: list[tuple[str, Tensor | QTensor]], quant: str) -> Linear:
+        ws = [w if isinstance(w, QTensor) else w.to(device) for _, w in named]
+        return make_linear(ws, dtype=dtype, quant=quant, kernels=kernels, name=named[0][0], conversions=conversions,
+                           sources=[formats.get(n) for n, _ in named])
 
     for name, tensor in weights:
         if name.startswith("model.layers."):
@@ -155,12 +160,12 @@ def assemble_model(config: ModelConfig, weights: Iterable[tuple[str, Tensor]], *
             continue
         part, slot = table[local]
         group = pending.setdefault((layer, part), {})
-        group[slot] = (tensor, formats.get(name))
+        group[slot] = (name, tensor)
         if len(group) == sizes[part]:
             del pending[(layer, part)]
-            ws = [group[s] for s in range(len(group))]
-            parts[layer][part] = (linear(ws, layer_quant(ws)) if part in _MATMULS
-                                  else _float_part(config, part, [w for w, _ in ws], device, dtype))
+            named = [group[s] for s in range(len(group))]
+            parts[layer][part] = (linear(named, weight_quant) if part in _MATMULS
+                                  else _float_part(config, part, [w for _, w in named], device, dtype))
 
     missing = [f"layer {i}: {sorted(set(sizes) - set(p))}" for i, p in enumerate(parts) if len(p) < len(sizes)]
     for required in ("model.embed_tokens.weight", "model.norm.weight"):
@@ -171,52 +176,40 @@ def assemble_model(config: ModelConfig, weights: Iterable[tuple[str, Tensor]], *
     if missing:
         raise ValueError(f"model weights incomplete, missing: {missing}")
 
-    embed_f32 = globals_["model.embed_tokens.weight"]
-    embed = embed_f32.to(device=device, dtype=dtype)
-    head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-    head_f32, head_fmt = globals_[head_name], formats.get(head_name)
-    # int4 stays off the head: GGUFs store it (token_embd) as Q8_0 or better, so 4-bit codes would lose
-    # precision there (and flip borderline greedy tokens); an int4 model's head is Q8_0 instead (two int4 planes
-    # of the native kernel, exact for a Q8_0 head; the bf16 weight where that kernel does not run). On the qdot
-    # kernel the head keeps a 4-bit file's codes only when the file has them, else Q8_0; a head shape it cannot
-    # pack stays dense (exact).
-    if kernels.qdot is not None and QDotKernel.packable(*head_f32.shape):
-        head_quant = "int4" if weight_quant in ("auto", "int4") and head_fmt in EXACT_FORMATS["int4"] else "int8"
-    elif weight_quant == "int4":  # from the float32 weights: the planes are exact only for the file's values
-        head_quant = "q8_0"
-    elif weight_quant == "none" or kernels.qdot is not None:
-        head_quant = "none"
-    else:
-        head_quant = weight_quant
-    # a tied dense head shares the embedding's storage (the dense form casts only when needed)
-    head = embed if config.tie_word_embeddings and head_quant == "none" else head_f32
-    lm_head = linear([(head, head_fmt)], head_quant)
+    tied = config.tie_word_embeddings
+    head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    lm_head = linear([(head_name, globals_[head_name])], "int8" if weight_quant == "int4" else weight_quant)
+    embedding = _embedding(globals_["model.embed_tokens.weight"], lm_head, tied, kernels, weight_quant, device, dtype)
+    conversions.log(config.name)
     layers = [DecoderLayer(config, i, **p) for i, p in enumerate(parts)]
-    return CausalLM(config, embed_tokens=embed, layers=layers,
-                    norm=globals_["model.norm.weight"].to(device=device, dtype=torch.float32), lm_head=lm_head)
+    norm = globals_["model.norm.weight"]
+    return CausalLM(config, embedding=embedding, layers=layers, norm=norm.to(device=device, dtype=torch.float32),
+                    lm_head=lm_head)
 
 
 def load_model(path: str, *, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
                weight_quant: str = "none", kernels: MatmulKernels | None = None) -> CausalLM:
     """Load a GGUF file or an HF safetensors dir of any supported family. ``weight_quant``: "none", "int8", "int4"
-    or "auto" (see :func:`assemble_model`, which also explains ``kernels``). Raises ValueError for a bad option or
+    or "auto" (see :func:`assemble_model`, which also explains ``kernels``). With the quantized kernels, a GGUF's
+    matrices are read as the file stores them (mapped, never dequantized). Raises ValueError for a bad option or
     unsupported model (an unknown architecture is named), ModelNotFound for a missing path."""
     if weight_quant not in (*WEIGHT_QUANTS, "auto"):
         raise ValueError(f"weight_quant must be one of {(*WEIGHT_QUANTS, 'auto')}, got {weight_quant!r}")
     if dtype not in COMPUTE_DTYPES:
         raise ValueError(f"dtype must be one of {COMPUTE_DTYPES}, got {dtype}")
     kernels = kernels if kernels is not None else MatmulKernels.available(device, dtype)
-    torch_quant = kernels.qdot is None  # with qdot, the integer-dot kernel runs every quantized layer, not torch's
+    torch_quant = kernels.quant is None  # with it, the quantized kernel runs every quantized layer, not torch's
     if torch_quant and weight_quant == "int8" and not int8_kernel_available(device, int8_compute_dtype(dtype)):
         raise ValueError(f"weight_quant='int8' needs torch.ops.aten._weight_int8pack_mm for {dtype} on {device!r}")
-    if torch_quant and weight_quant in ("int4", "auto") and not int4_kernel_available(device, dtype):
+    if torch_quant and weight_quant == "int4" and not int4_kernel_available(device, dtype):
         raise ValueError(f"weight_quant='int4' needs torch._weight_int4pack_mm_for_cpu with bfloat16 on the CPU, "
                          f"not {dtype} on {device!r}")
     path = resolve_model_path(path)
     start = time.perf_counter()
     config = read_model_config(path)
-    model = assemble_model(config, iter_weights(path, config), dtype=dtype, device=device, weight_quant=weight_quant,
-                           kernels=kernels, formats=weight_formats(path))
+    keep_codes = kernels.quant is not None and weight_quant != "none"
+    model = assemble_model(config, iter_weights(path, config, keep_codes=keep_codes), dtype=dtype, device=device,
+                           weight_quant=weight_quant, kernels=kernels, formats=weight_formats(path))
     logger.info("loaded %s (%s, %d layers, %s, quant=%s) from %s in %.1f s", config.name, config.arch,
                 config.num_layers, dtype, weight_quant, path, time.perf_counter() - start)
     return model

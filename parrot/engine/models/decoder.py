@@ -39,6 +39,8 @@ from torch import Tensor, nn
 from parrot.engine.config import ModelConfig
 from parrot.engine.layers.attention import LayerAttention, PlainDecode
 from parrot.engine.layers.linear import Linear
+from parrot.engine.layers.packed import VnniWeight
+from parrot.engine.layers.quant import Embedding, QuantWeight
 from parrot.engine.layers.rotary import RotaryEmbedding
 from parrot.engine.layers.weight import NativeCall
 from parrot.engine.loader import to_hf_layout
@@ -100,30 +102,32 @@ class DecoderLayer(nn.Module):
         self.qkv_proj, self.o_proj = qkv_proj, o_proj
         self.gate_up_proj, self.down_proj = gate_up_proj, down_proj
 
-    def forward(self, h: Tensor, rot: Tensor, attn: AttentionBackend) -> Tensor:
-        """Updates the float32 residual stream ``h`` [T, H] in place and returns it."""
+    def forward(self, h: Tensor, rot: Tensor, attn: AttentionBackend, precise: bool = True) -> Tensor:
+        """Updates the float32 residual stream ``h`` [T, H] in place and returns it. ``precise``: the batch processes
+        prompt tokens (the matmuls' activation rule: layers/quant.py)."""
         dtype = self.compute_dtype
-        a = self._attention(F.rms_norm(h, self.norm_shape, self.input_norm, self.eps).to(dtype), rot, attn)
+        a = self._attention(F.rms_norm(h, self.norm_shape, self.input_norm, self.eps).to(dtype), rot, attn,
+                            precise=precise)
         h.add_(a if self.attn_out_norm is None else F.rms_norm(a.float(), self.norm_shape, self.attn_out_norm,
                                                                self.eps))
-        gate_up = self.gate_up_proj(F.rms_norm(h, self.norm_shape, self.post_norm, self.eps).to(dtype))
-        m = self.down_proj(self._act(gate_up))
+        gate_up = self.gate_up_proj(F.rms_norm(h, self.norm_shape, self.post_norm, self.eps).to(dtype), precise)
+        m = self.down_proj(self._act(gate_up), precise)
         h.add_(m if self.ffn_out_norm is None else F.rms_norm(m.float(), self.norm_shape, self.ffn_out_norm,
                                                               self.eps))
         return h
 
     def forward_fused(self, h: Tensor, x: Tensor, rot: Tensor, attn: AttentionBackend, next_norm: Tensor,
-                      ops: FusedOps) -> Tensor:
+                      ops: FusedOps, precise: bool = True) -> Tensor:
         """The same layer on native fused ops. ``x`` is this layer's normed input (compute dtype); updates ``h``
         in place and returns ``rms_norm(h, next_norm)``, the next layer's input (or the final norm's output):
         each residual add runs fused with the norm that follows it."""
         dtype = self.compute_dtype
-        a = self._attention(x, rot, attn, ops.rope)
+        a = self._attention(x, rot, attn, ops.rope, precise)
         if self.attn_out_norm is not None:
             a = ops.rms_norm_cast(a.float().contiguous(), self.attn_out_norm, self.eps, torch.float32)
         x = ops.add_rms_norm_cast(h, a, self.post_norm, self.eps, dtype)
-        gate_up = self.gate_up_proj(x)
-        m = self.down_proj(self._act(gate_up) if self.gelu else ops.silu_mul(gate_up))
+        gate_up = self.gate_up_proj(x, precise)
+        m = self.down_proj(self._act(gate_up) if self.gelu else ops.silu_mul(gate_up), precise)
         if self.ffn_out_norm is not None:
             m = ops.rms_norm_cast(m.float().contiguous(), self.ffn_out_norm, self.eps, torch.float32)
         return ops.add_rms_norm_cast(h, m, next_norm, self.eps, dtype)
@@ -140,11 +144,11 @@ class DecoderLayer(nn.Module):
         return (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)).mul_(up)
 
     def _attention(self, x: Tensor, rot: Tensor, attn: AttentionBackend,
-                   rope: Callable[[Tensor, Tensor], Tensor] = RotaryEmbedding.apply) -> Tensor:
+                   rope: Callable[[Tensor, Tensor], Tensor] = RotaryEmbedding.apply, precise: bool = True) -> Tensor:
         """Normed input [T, H] -> o_proj(attention) [T, H] in the compute dtype (``rope``: torch's or the fused op,
         same contract)."""
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x, precise)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
         qk = qkv[:, : self.qk_size].view(t, self.qk_heads, self.head_dim)
@@ -153,7 +157,7 @@ class DecoderLayer(nn.Module):
         # q and k are adjacent, so one RoPE call rotates both; v stays a view of qkv
         qk = rope(qk, rot)
         v = qkv[:, self.qk_size:].view(t, self.num_kv_heads, self.head_dim)
-        return self.o_proj(attn(self.layer_idx, qk[:, : self.num_heads], qk[:, self.num_heads:], v))
+        return self.o_proj(attn(self.layer_idx, qk[:, : self.num_heads], qk[:, self.num_heads:], v), precise)
 
 
 LlamaDecoderLayer = DecoderLayer  # the name before the decoder was shared by every family
@@ -163,27 +167,29 @@ LlamaDecoderLayer = DecoderLayer  # the name before the decoder was shared by ev
 class DecodeArgs:
     """The per-layer arguments of the all-layers decode op for one row count (see CausalLM)."""
 
-    qkv: list[Tensor]  # packed weights, int4 / VNNI / qdot form per Linear.native_call
+    qkv: list[Tensor]  # packed weights (quantized: qlinear; dense bf16: vnni_linear) per Linear.native_call
     o: list[Tensor]
     gate_up: list[Tensor]
     down: list[Tensor]
     post_norms: list[Tensor]
     next_norms: list[Tensor]  # the norm after each layer: the next layer's input norm, the final norm last
-    backend: str  # the VNNI backend or the qdot variant the calls share ("" when every matmul runs int4)
-    act_terms: int  # the qdot kernel's activation terms (unused by the other kernels)
+    qmm_variant: str  # the quantized matmul's settings ("" when no layer is quantized)
+    act_terms: int
+    x2_rows: int
+    vnni_backend: str  # the dense bf16 kernel's backend ("" when no layer is dense bf16)
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, *, embed_tokens: Tensor, layers: list[DecoderLayer],
+    def __init__(self, config: ModelConfig, *, embedding: Embedding, layers: list[DecoderLayer],
                  norm: Tensor, lm_head: Linear) -> None:
         super().__init__()
         self.config = config
-        self.register_buffer("embed_tokens", embed_tokens)
+        self.embedding = embedding  # dense, or rows read out of packed GGUF codes (layers/quant.py)
         self.layers = nn.ModuleList(layers)
         self.register_buffer("norm", norm)  # float32
         self.lm_head = lm_head
-        self.rotary = RotaryEmbedding(config, device=embed_tokens.device)
-        self.local_rotary = (RotaryEmbedding(config, device=embed_tokens.device, local=True)
+        self.rotary = RotaryEmbedding(config, device=embedding.device)
+        self.local_rotary = (RotaryEmbedding(config, device=embedding.device, local=True)
                              if any(layer.local_rope for layer in layers) else None)
         # what the attention backend applies per layer (the runner hands it to PagedAttention)
         self.attention_layers = [LayerAttention(config.layer_window(i), config.attn_logit_softcap)
@@ -210,17 +216,19 @@ class CausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.dtype
+        return self.embedding.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.device
+        return self.embedding.device
 
     @torch.inference_mode()
-    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
-        """input_ids / positions: flat [T] -> final-normed hidden states [T, H] in the compute dtype."""
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend, *, precise: bool = True) -> Tensor:
+        """input_ids / positions: flat [T] -> final-normed hidden states [T, H] in the compute dtype. ``precise``
+        (the default): the batch processes prompt tokens; False: decode rows only, where quantized matmuls may take
+        their faster activation rule (layers/quant.py) and the all-layers decode op may run."""
         # a fresh float32 tensor: the layers add into it in place
-        h = F.embedding(input_ids, self.embed_tokens).float()
+        h = self.embedding.lookup(input_ids).float()
         if self.config.embedding_scale is not None:
             h.mul_(self.config.embedding_scale)
         rot = self.rotary.table(positions)  # once per forward, shared by all layers
@@ -228,13 +236,14 @@ class CausalLM(nn.Module):
         eps, ops = self.config.rms_norm_eps, self.fused_ops
         if ops is not None:
             x = ops.rms_norm_cast(h, self.layers[0].input_norm, eps, self.dtype)
-            if (done := self._decode_layers(h, x, rot, attn, ops)) is not None:
+            if not precise and (done := self._decode_layers(h, x, rot, attn, ops)) is not None:
                 return done
             for i, layer in enumerate(self.layers):
-                x = layer.forward_fused(h, x, local if layer.local_rope else rot, attn, self._norm_after(i), ops)
+                x = layer.forward_fused(h, x, local if layer.local_rope else rot, attn, self._norm_after(i), ops,
+                                        precise)
             return x
         for layer in self.layers:
-            h = layer(h, local if layer.local_rope else rot, attn)
+            h = layer(h, local if layer.local_rope else rot, attn, precise)
         return F.rms_norm(h, (self.config.hidden_size,), self.norm, eps).to(self.dtype)
 
     def _norm_after(self, i: int) -> Tensor:
@@ -242,9 +251,10 @@ class CausalLM(nn.Module):
         return self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
 
     def _decode_layers(self, h: Tensor, x: Tensor, rot: Tensor, attn: AttentionBackend, ops: FusedOps) -> Tensor | None:
-        """All layers in one native call (kernels/decode_layers.cpp: the same kernels in the same order as
-        :meth:`DecoderLayer.forward_fused`) when the batch is decode rows only (``attn.plain_decode()``) and
-        every matmul runs a native kernel at this row count; else None (nothing done)."""
+        """All layers in one native call (kernels/decode_layers.cpp: the same kernels in the same order, with the same
+        decode activation rule, as :meth:`DecoderLayer.forward_fused` with ``precise=False``) when the batch is
+        decode rows only (``attn.plain_decode()``) and every matmul runs a native kernel at this row count; else
+        None (nothing done)."""
         if not self._native_decode or not hasattr(ops, DECODE_LAYERS_OP) or not hasattr(attn, "plain_decode"):
             return None
         plain: PlainDecode | None = attn.plain_decode()
@@ -259,23 +269,29 @@ class CausalLM(nn.Module):
         return ops.decode_layers(h, x, rot, args.qkv, args.o, args.gate_up, args.down, args.post_norms,
                                  args.next_norms, self.config.rms_norm_eps, [k for k, _ in plain.kv_caches],
                                  [v for _, v in plain.kv_caches], plain.slots, plain.table, plain.lens, plain.scale,
-                                 self.config.num_heads, args.backend, args.act_terms)
+                                 self.config.num_heads, args.qmm_variant, args.act_terms, args.x2_rows,
+                                 args.vnni_backend)
 
     def _build_decode_args(self, rows: int) -> DecodeArgs | None:
         calls = [layer.native_calls(rows) for layer in self.layers]
         if any(c is None for c in calls):
             return None
-        # the VNNI backend or qdot variant: one per model (the int4 kernel's calls name none)
-        named = [c for layer_calls in calls for c in layer_calls if c.backend]
-        backend, act_terms = (named[0].backend, named[0].act_terms) if named else ("", 1)
+        # one quantized kernel and one VNNI backend per model (the assembly builds every layer from one set)
+        paths = [lin.path for layer in self.layers for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
+                                                                layer.down_proj)]
+        quant = next((p.kernel for p in paths if isinstance(p, QuantWeight)), None)
+        vnni = next((p.kernel for p in paths if isinstance(p, VnniWeight)), None)
         qkv, o, gate_up, down = ([c.weight for c in cs] for cs in zip(*calls))
         return DecodeArgs(qkv, o, gate_up, down, [layer.post_norm for layer in self.layers],
-                          [self._norm_after(i) for i in range(len(self.layers))], backend, act_terms)
+                          [self._norm_after(i) for i in range(len(self.layers))],
+                          quant.variant if quant else "", quant.fast.terms if quant else 2,
+                          quant.fast.x2_rows if quant else 0, vnni.backend if vnni else "")
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """[N, H] -> float32 logits [N, vocab] (soft-capped where the family caps them)."""
-        logits = self.lm_head(hidden).float()
+    def compute_logits(self, hidden: Tensor, *, precise: bool = True) -> Tensor:
+        """[N, H] -> float32 logits [N, vocab] (soft-capped where the family caps them); ``precise`` as in
+        :meth:`forward`."""
+        logits = self.lm_head(hidden, precise).float()
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -285,7 +301,7 @@ class CausalLM(nn.Module):
         cfg = self.config
         if not cfg.is_plain_llama() or cfg.embedding_scale is not None:
             raise ValueError(f"export_hf_state_dict exports plain LLaMA models, not {cfg.arch!r}")
-        out = {"model.embed_tokens.weight": self.embed_tokens.float(), "model.norm.weight": self.norm.float()}
+        out = {"model.embed_tokens.weight": self.embedding.dense().float(), "model.norm.weight": self.norm.float()}
         if not cfg.tie_word_embeddings:
             out["lm_head.weight"] = self.lm_head.dense_weight().float()
         for i, layer in enumerate(self.layers):
