@@ -241,7 +241,9 @@ class HFRunner(Runner):
 
 
 # ---- llama.cpp (llama-cpp-python low-level API) ------------------------------------------------------------
-LLAMA_QUANTS = ("Q4_0", "Q4_1", "Q8_0")
+# llama.cpp's quantizer output formats (LLAMA_FTYPE_MOSTLY_<name>) that need no importance matrix
+LLAMA_QUANTS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M",
+                "Q5_K_S", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS", "F16", "BF16")
 
 
 def llama_cpp_available() -> bool:
