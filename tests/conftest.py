@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 
 from parrot.common.errors import ModelNotFound
 from parrot.engine.config import ModelConfig
+
+# engines the tests build (in-process and in subprocesses, which inherit the environment) keep their packed-weight
+# caches in a temporary dir of this run, not in the user's ~/.cache
+os.environ.setdefault("PARROT_ENGINE_PACK_CACHE_DIR", tempfile.mkdtemp(prefix="parrot-test-packed-"))
 
 
 @pytest.fixture(scope="session")

@@ -69,8 +69,9 @@ def test_plan_workers_and_worker_command_carry_the_variants(avx2_cpu):
     args = SimpleNamespace(systems=["ours"], ours_workers=variants.parse_ours_variants("default,act_quant=int8", BASE),
                            model="/m.gguf", threads=2, **{**BASE, "cpu_path": "avx2"}, prefill_tokens=32,
                            context_tokens=16, decode_tokens=4, prefill_repeats=1, decode_repeats=1, budget=1.0,
-                           batches=[1, 2], llama_buffers="plain", quick=True)
-    assert bench.plan_workers(args, "Q4_1") == ["ours", "ours:act_quant=int8"]
+                           batches=[1, 2], llama_buffers="plain", quick=True, ours_trees=["/src/prev"])
+    assert bench.plan_workers(args, "Q4_1") == ["ours", "ours:act_quant=int8", "ours@/src/prev"]
+    assert bench._label("ours@/src/prev", "Q4_1") == "ours@prev"  # another checkout's code, by its directory
     cmd = bench._worker_cmd(args, "ours:act_quant=int8")
     assert cmd[cmd.index("--worker") + 1] == "ours:act_quant=int8"
     assert cmd[cmd.index("--cpu-path") + 1] == "avx2" and cmd[cmd.index("--act-quant") + 1] == "auto"

@@ -137,6 +137,27 @@ def test_rope_matches_torch_rotation(ops, rows, heads, dim, dtype):
         assert (got != ref).float().mean() < 0.01
 
 
+def test_rope_table_grows_to_the_positions_asked_for(tiny_config):
+    """The rotation table starts short and doubles when a longer context asks for more; its rows are the rows a
+    table built whole has (the float64 angles of the same positions)."""
+    import dataclasses
+
+    from parrot.engine.layers import rotary
+    from parrot.engine.layers.rotary import RotaryEmbedding
+
+    cfg = dataclasses.replace(tiny_config, max_position_embeddings=3 * rotary.INITIAL_POSITIONS + 5,
+                              rope_scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    emb = RotaryEmbedding(cfg)
+    assert emb.freqs_cis.shape[0] == rotary.INITIAL_POSITIONS
+    pos = torch.tensor([5, rotary.INITIAL_POSITIONS + 3, 3 * rotary.INITIAL_POSITIONS + 4])
+    got = emb.table(pos)
+    assert emb.freqs_cis.shape[0] == cfg.max_position_embeddings  # doubled, capped at the window
+    whole = emb._rows(0, cfg.max_position_embeddings)
+    assert torch.equal(got[:, 0], whole[pos])
+    assert torch.equal(emb.table(torch.tensor([7]))[:, 0], whole[[7]])
+
+
 def test_rope_rejects_mismatched_rotation(ops):
     x = torch.randn(4, 2, 8).bfloat16()
     with pytest.raises(RuntimeError, match="rot must be complex64"):

@@ -231,12 +231,16 @@ def _worker_cmd(args, worker: str, **extra: str) -> list[str]:
     return cmd
 
 
-def run_subprocess(cmd: list[str], timeout: float, threads: int) -> tuple[dict | None, float, str]:
+def run_subprocess(cmd: list[str], timeout: float, threads: int,
+                   tree: str | None = None) -> tuple[dict | None, float, str]:
     """Run one worker (stderr passes through); returns (its JSON result or None, its max RSS in MiB from
-    ``os.wait4``, error text). A worker past ``timeout`` seconds is killed."""
+    ``os.wait4``, error text). A worker past ``timeout`` seconds is killed. ``tree``: a checkout of the project
+    (with its kernels built) whose code the worker runs instead of this one's."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TQDM_DISABLE="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, env=env, text=True)
+    if tree is not None:  # `python -m` puts the working directory first on the path: run from the tree
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (tree, env.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, env=env, text=True, cwd=tree)
     chunks: list[str] = []
     reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read()), daemon=True)
     reader.start()
@@ -268,6 +272,8 @@ def _label(worker: str, file_type: str, res: dict | None = None) -> str:
     """A system's label; an ours system's comes from the numerics plan its engine reported (before that, or when
     it failed, from its variant spec)."""
     kind, _, variant = worker.partition(":")
+    if kind.startswith("ours@"):  # another checkout's code (e.g. the last release): named by its directory
+        return f"ours@{os.path.basename(kind.partition('@')[2].rstrip('/'))}"
     if kind == "ours":
         plan = ((res or {}).get("info") or {}).get("numerics")
         return plan_label(plan) if plan else f"ours [{variant or 'default'}]"
@@ -284,6 +290,7 @@ def plan_workers(args, file_type: str) -> list[str]:
     for system in args.systems:
         if system == "ours":
             workers += list(args.ours_workers)
+            workers += [f"ours@{tree}" for tree in args.ours_trees]
         elif system == "hf":
             workers += [f"hf:{d}" for d in args.hf_dtypes]
         elif system == "llamacpp":
@@ -354,9 +361,10 @@ def run_all(args) -> dict:
                                "label": _label(worker, file_type)}
             continue
         log.info("running %s ...", worker)
-        cmd = _worker_cmd(args, worker, **extra)
+        base_worker, _, tree = worker.partition("@")  # ours@TREE: the default ours, run from another checkout
+        cmd = _worker_cmd(args, base_worker, **extra)
         cmd[cmd.index("--model") + 1] = model
-        res, max_rss, err = run_subprocess(cmd, args.worker_timeout, args.threads)
+        res, max_rss, err = run_subprocess(cmd, args.worker_timeout, args.threads, tree or None)
         if worker.startswith("llamacpp") and args.llama_buffers == "repack" and not (res or {}).get("ok"):
             log.warning("%s failed with repacked weights (%s); retrying with plain buffers", worker,
                         err or res.get("error"))
@@ -411,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated ours variants, each run in its own worker: 'default' or '+'-joined "
                         "EngineSettings overrides on top of the flags above, e.g. "
                         "default,act_quant=int8,cpu_path=avx2+act_quant=int8")
+    p.add_argument("--ours-trees", type=csv, default=[],
+                   help="other checkouts of this project (kernels built) whose default engine runs too, labelled "
+                        "ours@<dir>: e.g. the code before a change, in the same run")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true",
                    help="2 prefill / 1 decode repeats, smaller machine-peak sizes (1024 matmuls, 512 MiB read, "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections import Counter
 
 import torch
@@ -21,7 +22,7 @@ from parrot.engine.runner import ModelRunner
 from parrot.engine.sampler import Sampler
 from parrot.engine.scheduler.scheduler import Scheduler
 from parrot.engine.scheduler.tool_handling import tool_policy
-from parrot.engine import shared_prefix_choice
+from parrot.engine import shared_prefix_choice, threads
 from parrot.engine.settings import EngineSettings
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,9 @@ def _assemble(settings: EngineSettings, model, tokenizer, thread: EngineThread) 
     if settings.num_threads:
         torch.set_num_threads(settings.num_threads)
     native = _native_ops(settings)
+    cpus = threads.binding(settings.bind_threads, torch.get_num_threads())
+    if cpus is not None and native is not None and settings.device == "cpu":
+        threads.bind(native, cpus)
     plan = numerics_plan(settings, native)
     log.info("engine %s: %s", settings.name, plan.describe())
     dtype = _DTYPES[plan.dtype]
@@ -68,13 +72,19 @@ def _assemble(settings: EngineSettings, model, tokenizer, thread: EngineThread) 
         model = build_random_model(TINY_RANDOM_CONFIG, dtype=dtype, device=settings.device, seed=settings.seed,
                                    weight_quant=plan.weight_quant, kernels=kernels)
         tokenizer = load_tokenizer(resolve_model_path(None))
+    saving: threading.Thread | None = None
     if model is None:
+        from parrot.engine.loader.pack_cache import default_dir
         from parrot.engine.models.assembly import load_model
         from parrot.engine.tokenizer import load_tokenizer
 
         path = resolve_model_path(settings.model)
+        cache_dir = (settings.pack_cache_dir or str(default_dir())) if settings.pack_cache else None
         model = load_model(path, dtype=dtype, device=settings.device, weight_quant=plan.weight_quant,
-                           kernels=kernels)
+                           kernels=kernels, pack_cache_dir=cache_dir, save_cache=False)
+        if model.pack_cache is not None:  # written while the engine starts serving (the next start maps it)
+            saving = threading.Thread(target=model.pack_cache.save, name="pack-cache-save", daemon=True)
+            saving.start()
         tokenizer = load_tokenizer(path)
         model_name = os.path.basename(path.rstrip("/"))
     else:
@@ -116,6 +126,8 @@ def _assemble(settings: EngineSettings, model, tokenizer, thread: EngineThread) 
     engine = LLMEngine(name=settings.name, model_name=model_name, runner=runner, pool=pool, scheduler=scheduler,
                        tokenizer=tokenizer, max_model_len=max_len, thread=thread, numerics=plan.to_dict())
     engine.tool_pause_ttl_s = settings.tool_pause_ttl_s
+    if saving is not None:
+        engine.finish_before_shutdown(saving)
     log.info("engine %s: model %s, KV pool %d blocks x %d tokens (%s), window %d, host swap space %d blocks, "
              "tool policy %s", settings.name, model_name, num_blocks, bs, plan.kv_dtype, max_len, host_slots,
              settings.tool_policy)

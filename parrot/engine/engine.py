@@ -80,6 +80,7 @@ class LLMEngine(EngineCore):
                          cached_status=True, numerics=numerics)
         self._cmds: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._stop = threading.Event()
+        self._finishers: list[threading.Thread] = []
         self._thread = thread
         self._running: Future | None = None
 
@@ -88,6 +89,11 @@ class LLMEngine(EngineCore):
         if self._running is None and self._thread is not None:
             self._running = self._thread.submit(self._loop)
 
+    def finish_before_shutdown(self, thread: threading.Thread) -> None:
+        """A background job of this engine's start (writing the packed-weight cache) that :meth:`shutdown` waits
+        for, so a server stopped right after it started does not cut it short."""
+        self._finishers.append(thread)
+
     def shutdown(self) -> None:
         self._stop.set()
         self._cmds.put(lambda: None)
@@ -95,6 +101,9 @@ class LLMEngine(EngineCore):
             self._thread.stop()
             self._thread = None
             self._running = None
+        for t in self._finishers:
+            t.join(timeout=120)
+        self._finishers.clear()
 
     # ---- the owner: a thread -----------------------------------------------------------------------------------
     def _new_future(self) -> Future:

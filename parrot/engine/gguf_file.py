@@ -13,6 +13,7 @@ this machine); this reader parses the same layout with ``struct`` in ~0.1 s. Deq
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -35,8 +36,15 @@ class GGUFTensorInfo:
     nbytes: int
 
 
+# (real path, size, mtime) -> the parse of that version of the file: the few most recent (see GGUFFile)
+_PARSES: dict[tuple[str, int, int], tuple[dict[str, Any], list[GGUFTensorInfo]]] = {}
+
+
 class GGUFFile:
-    """Metadata (``fields``: key -> Python value) and tensors of a GGUF file. Raises ValueError if malformed."""
+    """Metadata (``fields``: key -> Python value) and tensors of a GGUF file. Raises ValueError if malformed.
+
+    A load opens the file several times (config, formats, weights, tokenizer); the parse -- walking a 49k-token
+    vocabulary's strings, ~0.15 s -- is done once per file version (path, size, mtime) and shared."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -44,8 +52,14 @@ class GGUFFile:
             # copy-on-write: the pages are the page cache's (shared, read lazily); nothing here ever writes them, but
             # torch wants writable buffers to view them as tensors without a copy
             self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            st = os.fstat(f.fileno())
         try:
-            self.fields, self.tensors = self._parse()
+            key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+            if key not in _PARSES:
+                if len(_PARSES) >= 4:
+                    _PARSES.pop(next(iter(_PARSES)))
+                _PARSES[key] = self._parse()
+            self.fields, self.tensors = _PARSES[key]
         except (struct.error, UnicodeDecodeError, KeyError) as exc:
             self._mm.close()
             raise ValueError(f"{path!r} is not a valid GGUF file: {exc!r}") from exc

@@ -45,8 +45,19 @@ class EngineSettings(BaseSettings):
         "products bound it); auto = int8x2 for batches of up to 8 rows (bound by the weight reads: the second term "
         "is free there) and int8 above",
     )
+    pack_cache: bool = Field(
+        True, description="keep a GGUF's packed quantized weights in a file under pack_cache_dir and map it on later "
+        "loads: they then read and pack nothing, and engines on one machine share the pages (~the GGUF's size on "
+        "disk per model and weight rule)",
+    )
+    pack_cache_dir: str | None = Field(None, description="where pack_cache keeps them; None = "
+                                       "$XDG_CACHE_HOME/parrot/packed (~/.cache/parrot/packed)")
     device: str = Field("cpu", description="'cpu' or 'cuda' (CUDA when present)")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads; None = all cores")
+    bind_threads: Literal["auto", "on", "off"] = Field(
+        "auto", description="pin the compute threads one per CPU (parrot.engine.threads): auto = when num_threads "
+        "equals the CPUs the process may use; on = to the first num_threads of them; off = never",
+    )
     block_size: int = Field(16, ge=1, le=256, description="tokens per KV block")
     kv_cache_tokens: int | None = Field(
         None, ge=16, description="KV pool size in tokens (rounded up to blocks); None = from kv_cache_bytes"

@@ -53,6 +53,25 @@ inline void store32(float* out, __m512 lo, __m512 hi) {
   _mm512_storeu_ps(out + 16, hi);
 }
 
+// one k-step (32 inputs) of one panel (32 output columns, the k-step's two 1 KB blocks at b) for MR rows of x
+// (xk: row 0's 32 inputs, rows ldx apart) into the accumulators c0 (columns 0-15) and c1 (16-31)
+template <int MR>
+inline void kstep(__m512* c0, __m512* c1, const c10::BFloat16* xk, int64_t ldx, const c10::BFloat16* b) {
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) {
+    const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + r * 32));
+    const __m512bh b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + 512 + r * 32));
+#pragma GCC unroll 12
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;  // (x[m][2r], x[m][2r+1]); rows may start at any element, so no int32 pointer cast
+      std::memcpy(&pair, xk + m * ldx + 2 * r, sizeof pair);
+      const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+      c0[m] = _mm512_dpbf16_ps(c0[m], a, b0);
+      c1[m] = _mm512_dpbf16_ps(c1[m], a, b1);
+    }
+  }
+}
+
 // one panel (32 output columns) x MR rows: out[m][0..32) = xa[m][0..32 KB) . panel^T over its first KB k-steps.
 // ``stream``: the panel comes from DRAM (prefetch ahead in it); ``ahead``: a panel to pull into cache meanwhile
 // (this block computes from cache). Both prefetch into L2, not L1: the panel being read (~36 KB) already fills
@@ -66,20 +85,7 @@ void block(const c10::BFloat16* xa, int64_t ldx, const c10::BFloat16* wp, int64_
     const c10::BFloat16* b = wp + kb * 1024;
     if (stream) prefetch_step_l2(b + kPrefetch * 1024);
     if (ahead) prefetch_step_l2(ahead + kb * 1024);
-    const c10::BFloat16* xk = xa + kb * 32;
-#pragma GCC unroll 16
-    for (int r = 0; r < 16; ++r) {
-      const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + r * 32));
-      const __m512bh b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + 512 + r * 32));
-#pragma GCC unroll 12
-      for (int m = 0; m < MR; ++m) {
-        int32_t pair;  // (x[m][2r], x[m][2r+1]); rows may start at any element, so no int32 pointer cast
-        std::memcpy(&pair, xk + m * ldx + 2 * r, sizeof pair);
-        const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-        c0[m] = _mm512_dpbf16_ps(c0[m], a, b0);
-        c1[m] = _mm512_dpbf16_ps(c1[m], a, b1);
-      }
-    }
+    kstep<MR>(c0, c1, xa + kb * 32, ldx, b);
   }
   for (int m = 0; m < MR; ++m) store32(out + m * ldo, c0[m], c1[m]);
 }
@@ -95,21 +101,7 @@ void block_acc(const c10::BFloat16* xa, int64_t ldx, const c10::BFloat16* wp, in
     c1[m] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(C + m * ldc + 16);
   }
   for (int64_t kb = 0; kb < KB; ++kb) {
-    const c10::BFloat16* b = wp + kb * 1024;
-    const c10::BFloat16* xk = xa + kb * 32;
-#pragma GCC unroll 16
-    for (int r = 0; r < 16; ++r) {
-      const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + r * 32));
-      const __m512bh b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + 512 + r * 32));
-#pragma GCC unroll 12
-      for (int m = 0; m < MR; ++m) {
-        int32_t pair;
-        std::memcpy(&pair, xk + m * ldx + 2 * r, sizeof pair);
-        const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-        c0[m] = _mm512_dpbf16_ps(c0[m], a, b0);
-        c1[m] = _mm512_dpbf16_ps(c1[m], a, b1);
-      }
-    }
+    kstep<MR>(c0, c1, xa + kb * 32, ldx, wp + kb * 1024);
   }
   for (int m = 0; m < MR; ++m) {
     _mm512_storeu_ps(C + m * ldc, c0[m]);

@@ -43,6 +43,7 @@ from parrot.engine.layers.quant import (FLOAT_QUANTS, ActNumerics, QTensor, Quan
 from parrot.engine.layers.weight import DenseWeight, FewRowsWeight, LinearWeight, NativeCall
 
 if TYPE_CHECKING:
+    from parrot.engine.loader.pack_cache import PackCache
     from parrot.engine.numerics import NumericsPlan
 
 log = logging.getLogger(__name__)
@@ -155,15 +156,21 @@ def _float(part: Part) -> Tensor:
 
 
 def build_weight(parts: Sequence[Part], path: LinearPath, *, dtype: torch.dtype, kernels: MatmulKernels,
-                 name: str = "", conversions: Conversions | None = None,
-                 sources: Sequence[str | None] | None = None) -> LinearWeight:
+                 name: str = "", conversions: Conversions | None = None, sources: Sequence[str | None] | None = None,
+                 cache: PackCache | None = None) -> LinearWeight:
     """The weight object of ``path`` from ``parts``; every part that changes form on the way (a GGUF matrix
     dequantized or requantized, a float requantized) is noted in ``conversions`` under ``name``, with ``sources``
-    naming where a float part came from (e.g. "q3_k", dequantized by the loader for lack of a kernel)."""
+    naming where a float part came from (e.g. "q3_k", dequantized by the loader for lack of a kernel). A
+    QuantWeight's packed form is looked up in ``cache`` under ``name`` (then its parts are not even read) and
+    handed to it when it had to be made."""
     conv = conversions if conversions is not None else Conversions()
     sources = list(sources or [None] * len(parts))
     fmts = [p.fmt if isinstance(p, QTensor) else (src or "float") for p, src in zip(parts, sources)]
     if path.weight is QuantWeight:
+        shapes = [QTensor(fmt, torch.empty(0), tuple(p.shape)) for p, fmt in zip(parts, path.formats)]
+        cached = cache.get(name) if cache is not None else None
+        if cached is not None:
+            return QuantWeight(shapes, kernels.quant, dtype=dtype, packed=cached)
         coded = []
         for p, src_fmt, fmt in zip(parts, fmts, path.formats):
             if isinstance(p, QTensor) and p.fmt == fmt:
@@ -172,7 +179,10 @@ def build_weight(parts: Sequence[Part], path: LinearPath, *, dtype: torch.dtype,
             if src_fmt != "float":
                 conv.note(name, src_fmt, fmt)
             coded.append(quantize_float(_float(p), fmt))
-        return QuantWeight(coded, kernels.quant, dtype=dtype)
+        weight = QuantWeight(coded, kernels.quant, dtype=dtype)
+        if cache is not None:
+            cache.put(name, weight.packed)
+        return weight
     for fmt in fmts:
         if fmt not in FLOAT_FORMATS:
             conv.note(name, fmt, "dense " + str(dtype).removeprefix("torch."))
@@ -233,10 +243,11 @@ class Linear(nn.Module):
 
 
 def make_linear(parts: Sequence[Part], *, dtype: torch.dtype, quant: str, kernels: MatmulKernels, name: str = "",
-                conversions: Conversions | None = None, sources: Sequence[str | None] | None = None) -> Linear:
+                conversions: Conversions | None = None, sources: Sequence[str | None] | None = None,
+                cache: PackCache | None = None) -> Linear:
     """The layer of a matmul whose weight is ``parts`` (float tensors and / or QTensors, stacked along the output
-    dim) on the path :func:`choose_path` picks."""
+    dim) on the path :func:`choose_path` picks (``build_weight`` explains the rest)."""
     desc = [(tuple(p.shape), p.fmt if isinstance(p, QTensor) and packable(p.shape, p.fmt) else None) for p in parts]
     path = choose_path(desc, dtype=dtype, quant=quant, kernels=kernels)
     return Linear(build_weight(parts, path, dtype=dtype, kernels=kernels, name=name, conversions=conversions,
-                               sources=sources))
+                               sources=sources, cache=cache))

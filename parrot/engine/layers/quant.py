@@ -148,11 +148,16 @@ class QuantWeight(LinearWeight):
     """A weight in its GGUF codes, packed (kernels/qformats.h), on ``qlinear`` at every row count; the only form
     the layer keeps. ``quant`` names the formats ("q4_k", or "q4_k+q6_k" for a fused matmul of mixed parts)."""
 
-    def __init__(self, parts: Sequence[QTensor], kernel: QuantKernel, *, dtype: torch.dtype) -> None:
+    def __init__(self, parts: Sequence[QTensor], kernel: QuantKernel, *, dtype: torch.dtype,
+                 packed: Tensor | None = None) -> None:
+        """``packed``: the parts already packed (a cache's copy); else they are packed here."""
         n, k = sum(p.shape[0] for p in parts), parts[0].shape[1]
         super().__init__(n, k, dtype, "+".join(dict.fromkeys(p.fmt for p in parts)))
         self.kernel = kernel
-        self.packed = kernel.pack(parts)
+        self.packed = packed if packed is not None else kernel.pack(parts)
+        info = kernel.ops.qinfo(self.packed)
+        if (info[0], info[1]) != (k, n):
+            raise ValueError(f"packed weight is {info[1]} x {info[0]}, the parts {n} x {k}")
 
     def forward(self, x: Tensor, precise: bool = True) -> Tensor:
         return self.kernel.linear(x, self.packed, precise)

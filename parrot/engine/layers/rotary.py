@@ -93,8 +93,14 @@ def _yarn_inv_freq(inv_freq: Tensor, dim: int, base: float, s: dict) -> tuple[Te
     return inv, float(attention_factor)
 
 
+INITIAL_POSITIONS = 8192
+
+
 class RotaryEmbedding(nn.Module):
-    """Holds ``freqs_cis`` (complex64 [max_positions, head_dim/2]); rotate q and k together in one call."""
+    """Holds ``freqs_cis`` (complex64 [positions, head_dim/2]) for the positions seen so far: it starts at
+    INITIAL_POSITIONS and doubles (up to max_position_embeddings) when a longer context asks for more, so a model
+    with a 128k-position window does not build (~75 ms) and keep (~33 MB) rows no request reaches. Rotate q and k
+    together in one call."""
 
     def __init__(self, config: ModelConfig, device: torch.device | str = "cpu", *, local: bool = False) -> None:
         """``local``: the table of sliding-window layers in families that rotate them with their own base
@@ -103,20 +109,30 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = config.head_dim
         if local and config.local_rope_theta is None:
             raise ValueError(f"{config.arch} has no local RoPE base (local_rope_theta)")
-        theta, scaling = (config.local_rope_theta, None) if local else (config.rope_theta, config.rope_scaling)
-        inv_freq, mscale = rope_inv_freq(config.head_dim, theta, scaling)
-        pos = torch.arange(config.max_position_embeddings, dtype=torch.float64)
-        angles = torch.outer(pos, inv_freq)  # float64 so large positions keep their phase accurately
+        theta, self._scaling = (config.local_rope_theta, None) if local else (config.rope_theta, config.rope_scaling)
+        self._inv_freq, self._mscale = rope_inv_freq(config.head_dim, theta, self._scaling)
+        self.max_positions = config.max_position_embeddings
+        self.register_buffer("freqs_cis", self._rows(0, min(INITIAL_POSITIONS, self.max_positions)).to(device),
+                             persistent=False)
+
+    def _rows(self, start: int, end: int) -> Tensor:
+        pos = torch.arange(start, end, dtype=torch.float64)
+        angles = torch.outer(pos, self._inv_freq)  # float64 so large positions keep their phase accurately
+        scaling = self._scaling
         if scaling is not None and scaling["type"] == "longrope":
-            base = inv_freq * _factors(scaling["short_factor"], inv_freq)
+            base = self._inv_freq * _factors(scaling["short_factor"], self._inv_freq)
             orig = int(scaling["original_max_position_embeddings"])
-            angles[orig:] = torch.outer(pos[orig:], base / _factors(scaling["long_factor"], base))
-        freqs = torch.polar(torch.full_like(angles, mscale), angles).to(torch.complex64)
-        self.register_buffer("freqs_cis", freqs.to(device), persistent=False)
+            long = pos >= orig
+            angles[long] = torch.outer(pos[long], base / _factors(scaling["long_factor"], base))
+        return torch.polar(torch.full_like(angles, self._mscale), angles).to(torch.complex64)
 
     def table(self, positions: Tensor) -> Tensor:
         """Per-token rotations for ``positions`` [T] -> complex [T, 1, head_dim/2] (broadcast over heads).
         Positions must be < max_position_embeddings (the engine enforces the context length)."""
+        have = self.freqs_cis.shape[0]
+        if positions.numel() and have < self.max_positions and int(positions.max()) >= have:
+            need = min(self.max_positions, max(2 * have, int(positions.max()) + 1))
+            self.freqs_cis = torch.cat([self.freqs_cis, self._rows(have, need).to(self.freqs_cis.device)])
         return self.freqs_cis.index_select(0, positions).unsqueeze(1)
 
     @staticmethod

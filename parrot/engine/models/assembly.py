@@ -26,12 +26,14 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from parrot.engine.config import ModelConfig, read_model_config
+from parrot.engine.config import ModelConfig, is_gguf_file, read_model_config
 from parrot.engine.layers.int4 import int4_kernel_available
 from parrot.engine.layers.int8 import int8_compute_dtype, int8_kernel_available
 from parrot.engine.layers.linear import WEIGHT_QUANTS, Conversions, Linear, MatmulKernels, make_linear
 from parrot.engine.layers.quant import DenseEmbedding, Embedding, QTensor, QuantEmbedding, QuantWeight, packable
 from parrot.engine.loader import iter_weights, weight_formats
+from parrot.engine.loader import pack_cache
+from parrot.engine.loader.pack_cache import PackCache
 from parrot.engine.model_files import resolve_model_path
 from parrot.engine.models.decoder import CausalLM, DecoderLayer
 
@@ -40,6 +42,7 @@ logger = logging.getLogger(__name__)
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MATMULS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 _FLOAT_PARTS = ("input_norm", "post_norm", "attn_out_norm", "ffn_out_norm", "qk_norm")  # kept float32
+_TABLE = "model.embed_tokens.weight#table"  # an untied quantized token table's entry in a PackCache
 
 
 def layer_parts(cfg: ModelConfig) -> dict[str, tuple[str, int]]:
@@ -88,7 +91,7 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _embedding(table: Tensor | QTensor, lm_head: Linear, tied: bool, kernels: MatmulKernels, weight_quant: str,
-               device, dtype: torch.dtype) -> Embedding:
+               device, dtype: torch.dtype, cache: PackCache | None) -> Embedding:
     """The token table: the tied head's packed codes, or the file's quantized token_embd packed on its own, where
     the quantized kernels run (no dense copy); else dense in the compute dtype."""
     head = lm_head.path
@@ -96,7 +99,12 @@ def _embedding(table: Tensor | QTensor, lm_head: Linear, tied: bool, kernels: Ma
         return QuantEmbedding(head.packed, head.kernel.ops, dtype)
     if (isinstance(table, QTensor) and kernels.quant is not None and weight_quant != "none"
             and packable(table.shape, table.fmt)):
-        return QuantEmbedding(kernels.quant.pack([table]), kernels.quant.ops, dtype)
+        packed = cache.get(_TABLE) if cache is not None else None
+        if packed is None:
+            packed = kernels.quant.pack([table])
+            if cache is not None:
+                cache.put(_TABLE, packed)
+        return QuantEmbedding(packed, kernels.quant.ops, dtype)
     dense = table.dequantize() if isinstance(table, QTensor) else table
     return DenseEmbedding(dense.to(device=device, dtype=dtype))
 
@@ -112,7 +120,8 @@ def _float_part(cfg: ModelConfig, part: str, ws: list[Tensor], device, dtype: to
 
 def assemble_model(config: ModelConfig, weights: Iterable[tuple[str, Tensor | QTensor]], *, dtype: torch.dtype,
                    device: str | torch.device = "cpu", weight_quant: str = "none",
-                   kernels: MatmulKernels | None = None, formats: Mapping[str, str] | None = None) -> CausalLM:
+                   kernels: MatmulKernels | None = None, formats: Mapping[str, str] | None = None,
+                   cache: PackCache | None = None) -> CausalLM:
     """Build the model from ``(canonical name, tensor)`` pairs in any order: float tensors, and GGUF matrices in
     their file codes (QTensor) where the loader kept them.
 
@@ -121,7 +130,8 @@ def assemble_model(config: ModelConfig, weights: Iterable[tuple[str, Tensor | QT
     parrot.engine.layers.linear ("auto": each matrix as its file stores it where a kernel reads that format);
     ``formats`` (canonical name -> GGUF format) names where dequantized floats came from, for the log of what
     was converted. The output head keeps the file's format ("int4" makes it Q8_0, not 4-bit: a 4-bit head flips
-    borderline greedy tokens); a tied head's codes serve the embedding lookups too."""
+    borderline greedy tokens); a tied head's codes serve the embedding lookups too. ``cache``: packed weights
+    from an earlier load of the same file (parrot.engine.loader.pack_cache), by canonical name."""
     if weight_quant not in (*WEIGHT_QUANTS, "auto"):
         raise ValueError(f"weight_quant must be one of {(*WEIGHT_QUANTS, 'auto')}, got {weight_quant!r}")
     if dtype not in COMPUTE_DTYPES:
@@ -141,7 +151,7 @@ def assemble_model(config: ModelConfig, weights: Iterable[tuple[str, Tensor | QT
     def linear(named: list[tuple[str, Tensor | QTensor]], quant: str) -> Linear:
         ws = [w if isinstance(w, QTensor) else w.to(device) for _, w in named]
         return make_linear(ws, dtype=dtype, quant=quant, kernels=kernels, name=named[0][0], conversions=conversions,
-                           sources=[formats.get(n) for n, _ in named])
+                           sources=[formats.get(n) for n, _ in named], cache=cache)
 
     for name, tensor in weights:
         if name.startswith("model.layers."):
@@ -179,7 +189,8 @@ def assemble_model(config: ModelConfig, weights: Iterable[tuple[str, Tensor | QT
     tied = config.tie_word_embeddings
     head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
     lm_head = linear([(head_name, globals_[head_name])], "int8" if weight_quant == "int4" else weight_quant)
-    embedding = _embedding(globals_["model.embed_tokens.weight"], lm_head, tied, kernels, weight_quant, device, dtype)
+    embedding = _embedding(globals_["model.embed_tokens.weight"], lm_head, tied, kernels, weight_quant, device, dtype,
+                           cache)
     conversions.log(config.name)
     layers = [DecoderLayer(config, i, **p) for i, p in enumerate(parts)]
     norm = globals_["model.norm.weight"]
@@ -188,11 +199,15 @@ def assemble_model(config: ModelConfig, weights: Iterable[tuple[str, Tensor | QT
 
 
 def load_model(path: str, *, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
-               weight_quant: str = "none", kernels: MatmulKernels | None = None) -> CausalLM:
+               weight_quant: str = "none", kernels: MatmulKernels | None = None,
+               pack_cache_dir: str | None = None, save_cache: bool = True) -> CausalLM:
     """Load a GGUF file or an HF safetensors dir of any supported family. ``weight_quant``: "none", "int8", "int4"
     or "auto" (see :func:`assemble_model`, which also explains ``kernels``). With the quantized kernels, a GGUF's
-    matrices are read as the file stores them (mapped, never dequantized). Raises ValueError for a bad option or
-    unsupported model (an unknown architecture is named), ModelNotFound for a missing path."""
+    matrices are read as the file stores them (mapped, never dequantized), and with ``pack_cache_dir`` their
+    packed form is read from a file there if an earlier load left one, else written there before returning (or,
+    with ``save_cache=False``, left to the caller: ``model.pack_cache.save()``; parrot.engine.loader.pack_cache).
+    Raises ValueError for a bad option or unsupported model (an unknown architecture is named), ModelNotFound for
+    a missing path."""
     if weight_quant not in (*WEIGHT_QUANTS, "auto"):
         raise ValueError(f"weight_quant must be one of {(*WEIGHT_QUANTS, 'auto')}, got {weight_quant!r}")
     if dtype not in COMPUTE_DTYPES:
@@ -208,11 +223,23 @@ def load_model(path: str, *, dtype: torch.dtype = torch.bfloat16, device: str = 
     start = time.perf_counter()
     config = read_model_config(path)
     keep_codes = kernels.quant is not None and weight_quant != "none"
+    cache = _pack_cache(path, pack_cache_dir, dtype, weight_quant) if keep_codes and is_gguf_file(path) else None
     model = assemble_model(config, iter_weights(path, config, keep_codes=keep_codes), dtype=dtype, device=device,
-                           weight_quant=weight_quant, kernels=kernels, formats=weight_formats(path))
+                           weight_quant=weight_quant, kernels=kernels, formats=weight_formats(path), cache=cache)
+    model.pack_cache = cache
+    if cache is not None and save_cache:
+        cache.save()
     logger.info("loaded %s (%s, %d layers, %s, quant=%s) from %s in %.1f s", config.name, config.arch,
                 config.num_layers, dtype, weight_quant, path, time.perf_counter() - start)
     return model
+
+
+def _pack_cache(path: str, directory: str | None, dtype: torch.dtype, weight_quant: str) -> PackCache | None:
+    if directory is None:
+        return None
+    from parrot.engine.kernels import library_path
+
+    return pack_cache.for_model(directory, path, library_path().name, f"{dtype}|{weight_quant}")
 
 
 def random_weights(config: ModelConfig, *, seed: int = 0) -> dict[str, Tensor]:

@@ -185,6 +185,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embedding = embedding  # dense, or rows read out of packed GGUF codes (layers/quant.py)
+        self.pack_cache = None  # the packed-weight cache it was loaded with (models/assembly.py load_model)
         self.layers = nn.ModuleList(layers)
         self.register_buffer("norm", norm)  # float32
         self.lm_head = lm_head
