@@ -67,7 +67,8 @@ def test_failed_system_is_reported_and_ratios_skip_it():
     llama = sb.summarize([sb.Run("llamacpp", 0, error="FileNotFoundError: llama-server missing")], SIZES)
     assert not llama["ok"] and llama["prompt_tok_s"] is None
     assert all(v is None for v in sb.ratios(ours, llama).values())
-    table = sb.render({"ours": ours, "llamacpp": llama}, sb.ratios(ours, llama), {"cpu": "X"}, busy=False)
+    table = sb.render({"ours": ours, "llamacpp": llama}, {"llamacpp": sb.ratios(ours, llama)}, {"cpu": "X"},
+                      busy=False)
     assert "llama.cpp server failed: FileNotFoundError: llama-server missing" in table
     assert "busy" not in table.splitlines()[1]
 
@@ -79,7 +80,8 @@ def test_ratio_math_and_table():
     assert r["ready_s"] == 3.0 and r["peak_rss_mib"] == 2.0
     assert r["prompt_tok_s"] == 0.5 and r["job_tok_s"] == 0.5
     assert r["busy_prompt_share"] == 0.5 and r["busy_job_share"] == 1.0
-    lines = sb.render({"ours": ours, "llamacpp": llama}, r, {"cpu": "AMD EPYC", "threads": 2}, busy=True).splitlines()
+    lines = sb.render({"ours": ours, "llamacpp": llama}, {"llamacpp": r}, {"cpu": "AMD EPYC", "threads": 2},
+                      busy=True).splitlines()
     assert lines[0] == "conditions: cpu=AMD EPYC, threads=2"
     header, rows = lines[1], lines[3:]
     assert "prompt share" in header and "16-seq share" in header and "peak RSS MiB" in header
@@ -90,7 +92,14 @@ def test_ratio_math_and_table():
 
 def test_systems_flag_is_checked():
     with pytest.raises(SystemExit):
+        sb.parse_args(["--systems", "ours,sglang"])
+    with pytest.raises(SystemExit):  # vLLM runs from its own environment, on an HF dir
         sb.parse_args(["--systems", "ours,vllm"])
+    args = sb.parse_args(["--systems", "ours,vllm", "--vllm-python", "/v/bin/python", "--vllm-model", "/m"])
+    cmd, env = sb.server_cmd("vllm", "/x.gguf", 8000, 2, 8192, 16, args)
+    assert cmd[:3] == ["/v/bin/python", "-m", "vllm.entrypoints.openai.api_server"] and "/m" in cmd
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert sb.server_cmd("ours", "/x.gguf", 8000, 2, 8192, 16, args)[1] is None
 
 
 @pytest.mark.model

@@ -22,6 +22,7 @@ import contextlib
 import datetime
 import json
 import logging
+import os
 import random
 import statistics
 import subprocess
@@ -41,8 +42,9 @@ from parrot.bench.peers import gguf_file_type, random_tokens
 from parrot.engine.procs import free_port
 
 log = logging.getLogger("parrot.bench.serve_bench")
-SYSTEMS = ("ours", "llamacpp")
-LABELS = {"ours": "ours (parrot serve)", "llamacpp": "llama.cpp server"}
+SYSTEMS = ("ours", "llamacpp", "vllm")
+LABELS = {"ours": "ours (parrot serve)", "llamacpp": "llama.cpp server", "vllm": "vLLM (CPU) server"}
+DEFAULT_SYSTEMS = ("ours", "llamacpp")  # vllm needs its own environment and an HF dir (--vllm-python, --vllm-model)
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,20 @@ class Run:
 
 
 # ---- processes and memory -------------------------------------------------------------------------------------
-def server_cmd(system: str, model: str, port: int, threads: int, ctx: int, slots: int) -> list[str]:
+def server_cmd(system: str, model: str, port: int, threads: int, ctx: int, slots: int,
+               args: argparse.Namespace | None = None) -> tuple[list[str], dict | None]:
+    """The command starting ``system``'s server and its environment (None: this one's)."""
+    if system == "vllm":
+        # vLLM's CPU build: bf16, its OpenMP threads bound to the first ``threads`` CPUs, a KV space of ``ctx``
+        # tokens' worth (VLLM_CPU_KVCACHE_SPACE is in GiB: at least 1)
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE="1")
+        return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.vllm_model,
+                "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+                "--max-model-len", str(min(ctx, 4096)), "--max-num-seqs", str(slots)], env
+    return _cmd(system, model, port, threads, ctx, slots), None
+
+
+def _cmd(system: str, model: str, port: int, threads: int, ctx: int, slots: int) -> list[str]:
     if system == "ours":
         return [str(Path(sys.executable).with_name("parrot")), "--log-level", "WARNING", "serve", "--model", model,
                 "--host", "127.0.0.1", "--port", str(port), "--num-threads", str(threads),
@@ -88,7 +103,7 @@ def server_cmd(system: str, model: str, port: int, threads: int, ctx: int, slots
 
 
 def is_ready(system: str, url: str) -> bool:
-    """Ours: /ready 200 with {"ready": true}; llama.cpp: /health 200 (503 while the model loads)."""
+    """Ours: /ready 200 with {"ready": true}; llama.cpp and vLLM: /health 200 (llama.cpp: 503 while it loads)."""
     try:
         r = httpx.get(f"{url}/ready" if system == "ours" else f"{url}/health", timeout=2)
     except httpx.TransportError:
@@ -188,7 +203,7 @@ def server_info(system: str, url: str) -> dict:
     info = {"model_id": models[0]["id"]}
     if system == "ours":
         info["numerics"] = models[0].get("numerics")
-    else:
+    elif system == "llamacpp":
         props = httpx.get(f"{url}/props", timeout=10).json()
         info |= {"build_info": props.get("build_info"), "n_ctx": props.get("default_generation_settings",
                                                                              {}).get("n_ctx")}
@@ -218,10 +233,10 @@ def run_system(system: str, repeat: int, args: argparse.Namespace, vocab: int, s
     with tempfile.TemporaryFile("w+") as out:
         proc = None
         try:
-            cmd = server_cmd(system, args.model, port, args.threads, args.ctx, sizes.job_seqs)
+            cmd, env = server_cmd(system, args.model, port, args.threads, args.ctx, sizes.job_seqs, args)
             run.info["cmd"] = " ".join(cmd)
             t0 = time.perf_counter()
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
             run.ready_s = wait_ready(system, url, proc, t0, args.ready_timeout)
             log.info("%s ready in %.2f s", system, run.ready_s)
             run.info |= server_info(system, url)
@@ -273,7 +288,8 @@ def ratios(a: dict, b: dict) -> dict[str, float | None]:
             for k in COLUMNS}
 
 
-def render(summaries: dict[str, dict], ratio: dict | None, conditions: dict, busy: bool) -> str:
+def render(summaries: dict[str, dict], ratio: dict[str, dict], conditions: dict, busy: bool) -> str:
+    """The table: a row per system, then a row ``ours / <peer>`` per entry of ``ratio`` (peer -> ratios)."""
     cols = [k for k in COLUMNS if busy or not k.startswith("busy")]
     cell = lambda k, v, fmt=None: "-" if v is None else (fmt or COLUMNS[k][1]).format(v)  # noqa: E731
     rows = [["system", *(COLUMNS[k][0] for k in cols)]]
@@ -282,8 +298,8 @@ def render(summaries: dict[str, dict], ratio: dict | None, conditions: dict, bus
         rows.append([LABELS[system], *(cell(k, s[k]) for k in cols)])
         if not s["ok"]:
             errors.append(f"{LABELS[system]} failed: {s['error']}")
-    if ratio is not None:
-        rows.append(["ours / llama.cpp", *(cell(k, ratio[k], "{:.2f}x") for k in cols)])
+    for peer, r in ratio.items():
+        rows.append([f"ours / {LABELS[peer].removesuffix(' server')}", *(cell(k, r[k], "{:.2f}x") for k in cols)])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
@@ -323,7 +339,10 @@ def vocab_size(model: str) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m parrot.bench.serve_bench", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("--systems", type=lambda s: [x for x in s.split(",") if x], default=list(SYSTEMS))
+    p.add_argument("--systems", type=lambda s: [x for x in s.split(",") if x], default=list(DEFAULT_SYSTEMS),
+                   help=f"among {','.join(SYSTEMS)}")
+    p.add_argument("--vllm-python", default=None, help="the python of an environment with vLLM's CPU build")
+    p.add_argument("--vllm-model", default=None, help="an HF dir of the same weights for vLLM (bf16)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--ctx", type=int, default=8192, help="KV tokens: llama.cpp -c, ours --kv-cache-tokens")
@@ -337,6 +356,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if set(args.systems) - set(SYSTEMS) or not args.systems:
         p.error(f"--systems must be among {','.join(SYSTEMS)}")
+    if "vllm" in args.systems and not (args.vllm_python and args.vllm_model):
+        p.error("the vllm system needs --vllm-python and --vllm-model")
     if min(args.threads, args.repeats, args.prompt_tokens, args.job_seqs, args.job_tokens) < 1:
         p.error("--threads, --repeats and the sizes must be >= 1")
     return args
@@ -358,16 +379,17 @@ def main(argv: list[str] | None = None) -> int:
             log.info("repeat %d: %s ...", rep + 1, system)
             runs.append(run_system(system, rep, args, vocab, sizes))
     summaries = {s: summarize([r for r in runs if r.system == s], sizes) for s in args.systems}
-    ratio = ratios(summaries["ours"], summaries["llamacpp"]) if len(summaries) == 2 else None
+    ratio = {peer: ratios(summaries["ours"], summaries[peer]) for peer in summaries if peer != "ours"} \
+        if "ours" in summaries else {}
     cond = conditions(args, runs, sizes)
     print(render(summaries, ratio, cond, args.busy), flush=True)
-    if ratio is not None:
-        print("(ours / llama.cpp: above 1x, ours is faster in tok/s and shares, slower to ready, larger in RSS)")
+    if ratio:
+        print("(ours / peer: above 1x, ours is faster in tok/s and shares, slower to ready, larger in RSS)")
     if args.repeats > 1:
         print("\n".join(repeat_lines(runs)))
     if args.json:
         Path(args.json).write_text(json.dumps({"conditions": cond, "sizes": asdict(sizes), "summaries": summaries,
-                                               "ratios_ours_over_llamacpp": ratio,
+                                               "ratios_ours_over": ratio,
                                                "runs": [asdict(r) for r in runs]}, indent=2))
     return 0 if all(s["ok"] for s in summaries.values()) else 1
 

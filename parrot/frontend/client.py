@@ -343,13 +343,15 @@ def resolve_session(session: Session | None) -> Session:
 
 
 def connect(url: str | None = None, api_key: str | None = None, *, ttl_s: float | None = None,
-            make_default: bool = True) -> Session:
+            make_default: bool = True, retry_window_s: float = RETRY_WINDOW_S) -> Session:
     """Open a session on the server at ``url`` (default: $PARROT_URL, else http://127.0.0.1:8000).
 
     ``api_key`` defaults to $PARROT_API_KEY. With ``make_default`` (the default) the session becomes the
-    default used by semantic/native function calls until it is closed. Usable as a context manager.
+    default used by semantic/native function calls until it is closed. ``retry_window_s``: how long a call whose
+    connection failed is retried before it raises ServerUnreachable (0: fail at once). Usable as a context manager.
     """
-    session = Session(url, api_key if api_key is not None else os.environ.get("PARROT_API_KEY"), ttl_s=ttl_s)
+    session = Session(url, api_key if api_key is not None else os.environ.get("PARROT_API_KEY"), ttl_s=ttl_s,
+                      retry_window_s=retry_window_s)
     if make_default:
         session._previous_default = _default.session
         _default.session = session

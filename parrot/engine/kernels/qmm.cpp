@@ -495,49 +495,64 @@ PARROT_INLINE __m256i dot_avx2(const __m256i* q, const int8_t* a, const int8_t* 
   }
 }
 
-// rows [r0, r0 + R) x rows 8 hf .. 8 hf + 7 of column block J, accumulators in registers over all K
-template <int64_t F, int TM, int R, typename O>
-void tile_avx2(const Job& J, const Acts& A, int64_t r0, int hf, O* out, int64_t ldo) {
+// rows [r0, r0 + R) x rows 8 hf .. 8 hf + 8 H - 1 of column block J (H halves of its 16 rows), accumulators in
+// registers over all K. One row reads both halves per pass (H = 2): each 64-byte line of a quad is used whole while
+// it streams in, instead of half on a first pass and the other half from L2 on a second.
+template <int64_t F, int TM, int R, int H, typename O>
+void tile_avx2(const Job& J, const Acts& A, int64_t r0, int hf0, O* out, int64_t ldo) {
   constexpr Spec s = spec_of(F);
   constexpr int zsh = clog2(s.zero);
   const int64_t KG = A.KG, K = A.K;
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[H][R];
+  for (int h = 0; h < H; ++h)
+    for (int r = 0; r < R; ++r) acc[h][r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < KG; ++g) {
     const uint8_t* gp = J.cbp + group_offset(s, g);
     prefetch_ahead(gp, s.group_bytes);
-    const Scales8 sc = scales_avx2<F>(J.cbp, g, hf);
-    __m256i q[8];
-    decode_avx2<F>(gp, hf, q);
-    for (int r = 0; r < R; ++r) {
-      const int64_t row = r0 + r;
-      const int8_t* a = A.a.data() + row * K + 32 * g;
-      const int8_t* b = TM == 2 ? A.b.data() + row * K + 32 * g : nullptr;
-      const __m256 u = _mm256_set1_ps(A.u[row * KG + g]);
-      if constexpr (s.sub == 16) {
-        __m256i i0 = dot_avx2<F, TM, 0, 4>(q, a, b), i1 = dot_avx2<F, TM, 4, 8>(q, a, b);
-        i0 = _mm256_sub_epi32(i0, _mm256_slli_epi32(_mm256_set1_epi32(A.sa16[row * 2 * KG + 2 * g]), zsh));
-        i1 = _mm256_sub_epi32(i1, _mm256_slli_epi32(_mm256_set1_epi32(A.sa16[row * 2 * KG + 2 * g + 1]), zsh));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(sc.D0, u), acc[r]);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(sc.D1, u), acc[r]);
-      } else {
-        __m256i i = dot_avx2<F, TM, 0, 8>(q, a, b);
-        if constexpr (s.zero != 0) i = _mm256_sub_epi32(i, _mm256_slli_epi32(_mm256_set1_epi32(A.sa32[row * KG + g]), zsh));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(sc.D0, u), acc[r]);
-        if constexpr (s.asym) acc[r] = _mm256_fmadd_ps(sc.Mn, _mm256_set1_ps(A.us32[row * KG + g]), acc[r]);
+    for (int h = 0; h < H; ++h) {
+      const int hf = hf0 + h;
+      const Scales8 sc = scales_avx2<F>(J.cbp, g, hf);
+      __m256i q[8];
+      decode_avx2<F>(gp, hf, q);
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = r0 + r;
+        const int8_t* a = A.a.data() + row * K + 32 * g;
+        const int8_t* b = TM == 2 ? A.b.data() + row * K + 32 * g : nullptr;
+        const __m256 u = _mm256_set1_ps(A.u[row * KG + g]);
+        __m256& ac = acc[h][r];
+        if constexpr (s.sub == 16) {
+          __m256i i0 = dot_avx2<F, TM, 0, 4>(q, a, b), i1 = dot_avx2<F, TM, 4, 8>(q, a, b);
+          i0 = _mm256_sub_epi32(i0, _mm256_slli_epi32(_mm256_set1_epi32(A.sa16[row * 2 * KG + 2 * g]), zsh));
+          i1 = _mm256_sub_epi32(i1, _mm256_slli_epi32(_mm256_set1_epi32(A.sa16[row * 2 * KG + 2 * g + 1]), zsh));
+          ac = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(sc.D0, u), ac);
+          ac = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(sc.D1, u), ac);
+        } else {
+          __m256i i = dot_avx2<F, TM, 0, 8>(q, a, b);
+          if constexpr (s.zero != 0) i = _mm256_sub_epi32(i, _mm256_slli_epi32(_mm256_set1_epi32(A.sa32[row * KG + g]), zsh));
+          ac = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(sc.D0, u), ac);
+          if constexpr (s.asym) ac = _mm256_fmadd_ps(sc.Mn, _mm256_set1_ps(A.us32[row * KG + g]), ac);
+        }
       }
     }
   }
-  for (int r = 0; r < R; ++r) parrot_kernels::avx2::store8(out + (r0 + r) * ldo + J.col + 8 * hf, acc[r]);
+  for (int h = 0; h < H; ++h)
+    for (int r = 0; r < R; ++r) parrot_kernels::avx2::store8(out + (r0 + r) * ldo + J.col + 8 * (hf0 + h), acc[h][r]);
 }
 
+// Few rows (the weight stream is the cost): each row tile reads both halves per pass. More rows (the dot products
+// are): tiles of kTileAvx2 rows over one half at a time, whose codes stay in L1 across the tiles. An odd last row
+// reads both halves (figures: docs/results, "Kernel design measurements").
+constexpr int64_t kBothHalvesRows = 4;
 template <int64_t F, int TM, typename O>
 void block_avx2(const Job& J, const Acts& A, int64_t M, O* out, int64_t ldo) {
-  for (int hf = 0; hf < 2; ++hf) {
-    int64_t r0 = 0;
-    for (; r0 + kTileAvx2 <= M; r0 += kTileAvx2) tile_avx2<F, TM, kTileAvx2>(J, A, r0, hf, out, ldo);
-    if (r0 < M) tile_avx2<F, TM, 1>(J, A, r0, hf, out, ldo);
+  const int64_t full = M / kTileAvx2 * kTileAvx2;
+  if (M <= kBothHalvesRows) {
+    for (int64_t r0 = 0; r0 < full; r0 += kTileAvx2) tile_avx2<F, TM, kTileAvx2, 2>(J, A, r0, 0, out, ldo);
+  } else {
+    for (int hf = 0; hf < 2; ++hf)
+      for (int64_t r0 = 0; r0 < full; r0 += kTileAvx2) tile_avx2<F, TM, kTileAvx2, 1>(J, A, r0, hf, out, ldo);
   }
+  for (int64_t r0 = full; r0 < M; ++r0) tile_avx2<F, TM, 1, 2>(J, A, r0, 0, out, ldo);
 }
 #endif
 

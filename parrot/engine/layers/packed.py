@@ -133,7 +133,8 @@ class VnniWeight(LinearWeight):
 
     def dense(self) -> Tensor:
         n, k = self.out_features, self.in_features
-        # [N/32, K/32, 2, 16, 16, 2] -> [N, K] (vnni_block.h: P[n][kb][j][r][c][i] = W[32 n + 16 j + c][32 kb + 2 r + i])
+        # [N/32, K/32, 2, 16, 16, 2] -> [N, K]
+        # (vnni_block.h: P[n][kb][j][r][c][i] = W[32 n + 16 j + c][32 kb + 2 r + i])
         return self.packed.permute(0, 2, 4, 1, 3, 5).reshape(n, k)
 
     def decode_bytes(self) -> int:

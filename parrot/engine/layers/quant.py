@@ -175,7 +175,8 @@ class QuantWeight(LinearWeight):
 
     def describe(self) -> str:
         k = self.kernel
-        acts = k.fast.describe() if k.fast == k.precise else f"decode {k.fast.describe()}; prompts {k.precise.describe()}"
+        acts = (k.fast.describe() if k.fast == k.precise
+                else f"decode {k.fast.describe()}; prompts {k.precise.describe()}")
         return f"QuantWeight[{k.variant}, {self.quant}, {acts}]"
 
 

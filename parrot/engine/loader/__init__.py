@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import torch
-
 from parrot.engine.config import ModelConfig, is_gguf_file
 from parrot.engine.loader.gguf_loader import iter_gguf_weights
 from parrot.engine.loader.safetensors_loader import iter_safetensors_weights, to_hf_layout, to_interleaved
 
-__all__ = ["iter_weights", "weight_formats", "iter_gguf_weights", "iter_safetensors_weights", "to_hf_layout", "to_interleaved"]
+__all__ = ["iter_weights", "weight_formats", "iter_gguf_weights", "iter_safetensors_weights", "to_hf_layout",
+           "to_interleaved"]
 
 
 def iter_weights(path: str, config: ModelConfig, *, keep_codes: bool = False) -> Iterator[tuple[str, object]]:
