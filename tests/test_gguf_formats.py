@@ -10,7 +10,7 @@ import logging
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
+from family_models import our_logits
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
@@ -88,15 +88,6 @@ def write_pair(tmp_path) -> tuple[str, str]:
     return paths
 
 
-def logits(model, ids: list[int]) -> torch.Tensor:
-    def attn(layer_idx, q, k, v):
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             is_causal=True, enable_gqa=True)
-        return out.transpose(0, 1).reshape(q.shape[0], -1)
-
-    return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), attn))
-
-
 def test_every_format_runs_from_the_file_and_q3_k_converts_logged(native_kernel, tmp_path, caplog) -> None:
     mixed, f32 = write_pair(tmp_path)
     assert read_model_config(mixed).hidden_size == HIDDEN
@@ -111,7 +102,7 @@ def test_every_format_runs_from_the_file_and_q3_k_converts_logged(native_kernel,
     assert run == set(FORMATS) - {"q3_k"} | {"q8_0"}
     dense = load_model(f32, dtype=torch.float32, weight_quant="none", kernels=MatmulKernels())
     ids = [int(x) for x in np.random.default_rng(1).integers(3, VOCAB, 24)]
-    got, want = logits(ours, ids), logits(dense, ids)
+    got, want = our_logits(ours, ids), our_logits(dense, ids)
     # two activation terms against fp32 on the same values, but Q3_K's matrix requantized to Q8_0
     assert ((got - want).abs().max() / want.abs().max()).item() < 2e-2
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from family_models import our_logits
 
 from parrot.engine.config import read_model_config
 from parrot.engine.layers.quant import QuantEmbedding, QuantWeight
@@ -21,17 +22,6 @@ pytestmark = [pytest.mark.model, pytest.mark.usefixtures("one_torch_thread")]
 @pytest.fixture(scope="module")
 def ops(native_kernel):
     return torch.ops.parrot_kernels
-
-
-def logits(model, ids: list[int]) -> torch.Tensor:
-    import torch.nn.functional as F
-
-    def attn(layer_idx, q, k, v):
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             is_causal=True, enable_gqa=True)
-        return out.transpose(0, 1).reshape(q.shape[0], -1)
-
-    return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), attn))
 
 
 def test_second_load_maps_the_cache_and_computes_the_same(ops, default_model_path, tmp_path) -> None:
@@ -48,7 +38,7 @@ def test_second_load_maps_the_cache_and_computes_the_same(ops, default_model_pat
         assert torch.equal(a.path.packed, b.path.packed)
     assert isinstance(second.embedding, QuantEmbedding)  # the tied head's codes
     ids = [1, 504, 3060, 28, 1070, 9, 2]
-    assert torch.equal(logits(first, ids), logits(second, ids))
+    assert torch.equal(our_logits(first, ids), our_logits(second, ids))
 
 
 def test_untied_quantized_table_is_cached_too(ops, tmp_path) -> None:

@@ -6,13 +6,13 @@ CPU paths, fastest first. Each names the features its kernels need; the engine p
 
     path          needs (Linux /proc/cpuinfo flag names)           numerics (parrot.engine.numerics)
     amx           amx_tile amx_bf16 + avx512_bf16                  bf16 compute, AMX tiles for mid-size matmuls
-    avx512_bf16   avx512f avx512bw avx512vl avx512_bf16            bf16 compute, VDPBF16PS matmuls, int4 decode
-    avx512        avx512f avx512bw avx512vl + avx2 fma f16c        fp32 compute, int8 x 4-bit integer dot products
-    avx2          avx2 fma f16c (x86-64-v3)                        fp32 compute, int8 x 4-bit integer dot products
+    avx512_bf16   avx512f avx512bw avx512vl avx512_bf16            bf16 compute, VDPBF16PS + VPDPBUSD matmuls
+    avx512        avx512f avx512bw avx512vl + avx2 fma f16c        fp32 compute, int8 x GGUF-code dot products
+    avx2          avx2 fma f16c (x86-64-v3)                        fp32 compute, int8 x GGUF-code dot products
     portable      nothing (aarch64, older x86, any CPU)             fp32 compute, torch's kernels
 
-The avx512 path runs the AVX2 integer-dot kernels (compiled with the machine's flags): the 512-bit VNNI variant
-is not written yet. aarch64 takes the portable path (NEON dot-product kernels are not written yet); its family is
+The avx512 path runs the quantized matmul's VPDPBUSD variant where the CPU has AVX512-VNNI, else its AVX2 variant
+(kernels/qmm.cpp). aarch64 takes the portable path (NEON dot-product kernels are not written yet); its family is
 still reported (``asimddp`` = dot product) so the engine's status says what the machine could do.
 """
 

@@ -5,8 +5,8 @@
 // A synthetic loop of VPMADDUBSW (_mm256_maddubs_epi16: 32 u8 x s8 products, summed in adjacent pairs to 16 int16)
 // with no loads or stores: each thread runs kChains independent chains, each adding its VPMADDUBSW results into an
 // int16 accumulator (VPADDW, wrapping: the values are meaningless) and widening that every kWiden steps with
-// VPMADDWD by ones + VPADDD into int32 -- the integer-dot kernel's own pattern (qdot_gemm.cpp sums 8 quads in
-// int16, then one VPMADDWD), so its multiply-port load is the kernel's. Only the VPMADDUBSW products count:
+// VPMADDWD by ones + VPADDD into int32 -- the integer-dot kernel's own pattern (qmm.cpp's AVX2 variant sums up to
+// 8 quads in int16, then one VPMADDWD), so its multiply-port load is the kernel's. Only the VPMADDUBSW products count:
 // 2 ops per multiply-add, 64 ops per instruction. An empty asm statement makes the multiplicand opaque before every
 // VPMADDUBSW, so the compiler can neither hoist the loop-invariant products out of the loop nor merge the chains;
 // the accumulators are folded into a volatile sink and into the returned value, so the loop cannot be dropped.

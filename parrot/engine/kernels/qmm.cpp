@@ -621,10 +621,10 @@ void dequant_half(const Job& J, int64_t g0, int64_t g1, int j, c10::BFloat16* ti
 
 // A group of panels (32 output rows each: consecutive column blocks in pairs, each half dequantized by its own
 // block's format; a lone last block pads with zeros) times every row of x, K in chunks: per chunk of kKChunk groups,
-// the group's tiles are dequantized into cache (kPanelsPerGroup x 128 KB) and every row block of x (MR <= 12 rows,
-// kKChunk * 64 bytes each) runs through them, accumulating into C (fp32 [M][kPanelsPerGroup * 32]). x is thus
-// read once per panel group, not once per panel (tried: 2-8 panels, 512-2048 inputs per chunk; this was fastest
-// on 2 Zen 4 cores, 0.85x oneDNN's bf16 GEMM on a prepacked weight at 512 rows).
+// the group's tiles are dequantized into cache (kPanelsPerGroup x 128 KB) and every row block of x (MR <= 6 rows
+// over both panels at once, vnni_block.h's block_acc2; a lone panel: MR <= 12) runs through them, accumulating into
+// C (fp32 [M][kPanelsPerGroup * 32]). x is thus read once per panel group, not once per panel (tried: 2-8 panels,
+// 512-2048 inputs per chunk; figures: docs/results, "Kernel design measurements").
 constexpr int64_t kPanelsPerGroup = 2;
 constexpr int64_t kKChunk = 64;  // groups of 32 inputs per chunk: 2048 inputs
 
@@ -636,7 +636,9 @@ void panel_group(const std::vector<Job>& jobs, int64_t p0, int64_t np, const c10
   const int64_t ldc = np * 32;
   tiles.resize(kPanelsPerGroup * tile_elems);
   C.resize(M * ldc);
-  const int64_t nblocks = (M + parrot_kernels::vnni::kMaxRows - 1) / parrot_kernels::vnni::kMaxRows;
+  // two panels: blocks of <= kMaxRows2 rows over both at once; one: blocks of <= kMaxRows over it
+  const int64_t max_rows = np == 2 ? parrot_kernels::vnni::kMaxRows2 : parrot_kernels::vnni::kMaxRows;
+  const int64_t nblocks = (M + max_rows - 1) / max_rows;
   const int64_t rows = (M + nblocks - 1) / nblocks;
   const int64_t njobs = static_cast<int64_t>(jobs.size());
   for (int64_t g0 = 0; g0 < KG; g0 += kKChunk) {
@@ -650,6 +652,11 @@ void panel_group(const std::vector<Job>& jobs, int64_t p0, int64_t np, const c10
     }
     for (int64_t m = 0; m < M; m += rows) {
       const int64_t mr = std::min(rows, M - m);
+      if (np == 2) {
+        parrot_kernels::vnni::blocks_acc2[mr - 1](x + m * ldx + g0 * 32, ldx, tiles.data(), tiles.data() + tile_elems,
+                                                  g1 - g0, C.data() + m * ldc, ldc, g0 == 0);
+        continue;
+      }
       for (int64_t p = 0; p < np; ++p)
         parrot_kernels::vnni::blocks_acc[mr - 1](x + m * ldx + g0 * 32, ldx, tiles.data() + p * tile_elems, g1 - g0,
                                                  C.data() + m * ldc + p * 32, ldc, g0 == 0);

@@ -7,8 +7,9 @@
 // Why: at a few to a few dozen rows a decode step is bound by streaming the weights from DRAM. oneDNN reaches
 // well under the machine's read bandwidth on this shape mix (many 1-3 MB weights, one call each; 2 threads); a
 // kernel whose weight reads are one sequential, software-prefetched stream per thread reaches it (figures:
-// docs/results/README.md#kernel-design-measurements). From a few dozen rows on the work is no longer weight-bound
-// and oneDNN is as fast (layers/packed.py: VnniWeight runs up to a row limit per backend).
+// docs/results/README.md#kernel-design-measurements). From a few dozen rows on the work is bound by the dot
+// products; the same kernel then runs panels in pairs (below). A dense bf16 layer keeps only this form
+// (layers/packed.py).
 //
 // Packed weight layout (vnni_pack), for N % 32 == 0 and K % 32 == 0:
 //
@@ -32,6 +33,8 @@
 //
 // AVX-512 registers per (panel, block of up to 12 rows): 2 accumulators per row (columns 0-15 | 16-31), the two
 // weight rows of the current k pair, one broadcast x pair: 2 * 12 + 3 = 27 of the 32 zmm registers (vnni_block.h).
+// From kPairRows rows, per (two panels, block of up to 6 rows): 4 accumulators per row, 4 weight rows, one x pair:
+// 4 * 6 + 5 = 29 -- 10 loads per 24 VDPBF16PS instead of 14.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
