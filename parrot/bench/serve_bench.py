@@ -81,8 +81,8 @@ def server_cmd(system: str, model: str, port: int, threads: int, ctx: int, slots
                args: argparse.Namespace | None = None) -> tuple[list[str], dict | None]:
     """The command starting ``system``'s server and its environment (None: this one's)."""
     if system == "vllm":
-        # vLLM's CPU build: bf16, its OpenMP threads bound to the first ``threads`` CPUs, a KV space of ``ctx``
-        # tokens' worth (VLLM_CPU_KVCACHE_SPACE is in GiB: at least 1)
+        # vLLM's CPU build: bf16, its OpenMP threads bound to the first ``threads`` CPUs, 1 GiB of KV space
+        # (VLLM_CPU_KVCACHE_SPACE is in whole GiB; 1 GiB holds more than ``ctx`` tokens of a 1-3B model)
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE="1")
         return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.vllm_model,
                 "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
