@@ -110,6 +110,20 @@ def _backend_engines(specs: list[str]) -> list:
         raise SystemExit(f"parrot: --backend: {e}") from None
 
 
+def _ready_announcer(url: str):
+    """An engine listener that prints one "ready" line when the first engine is alive (before that,
+    /v1/models answers 503 not_ready)."""
+    announced = False
+
+    def on_state(entry) -> None:
+        nonlocal announced
+        if entry.healthy and not announced:
+            announced = True
+            print(f"parrot: ready: {entry.name} serves {entry.info.name} at {url}/v1", flush=True)
+
+    return on_state
+
+
 def _cmd_serve(ns: argparse.Namespace) -> None:
     from parrot.api.app import create_app
     from parrot.api.settings import ServerSettings
@@ -127,7 +141,8 @@ def _cmd_serve(ns: argparse.Namespace) -> None:
         from parrot.engine.builder import build_local_engine_client
 
         client = build_local_engine_client(engine)
-        app = create_app(server, [client])
+        url = f"http://{server.host}:{server.port}"
+        app = create_app(server, [client], engine_listeners=[_ready_announcer(url)])
         print(f"parrot: serving {client.name} on http://{server.host}:{server.port} (policy {server.policy}; "
               "OpenAPI at /docs)", flush=True)
         serve(app, host=server.host, port=server.port, drain=app.state.drain, log_level="warning",
@@ -147,7 +162,7 @@ def _cmd_serve(ns: argparse.Namespace) -> None:
     procs = start_engines(server.engines, manager_url, secret=server.engine_secret.get_secret_value(),
                           engine_args=_engine_flags(ns, {"name", "port", "host"}))
     try:
-        app = create_app(server, backends)
+        app = create_app(server, backends, engine_listeners=[_ready_announcer(f"http://{server.host}:{port}")])
         print(f"parrot: serving on http://{server.host}:{port} with {server.engines} engine process(es) "
               f"{', '.join(f'{p.name}={p.url} (pid {p.pid})' for p in procs)}"
               f"{''.join(f'; backend {b.name}={b.url}' for b in backends)}; policy {server.policy}", flush=True)

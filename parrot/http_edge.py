@@ -21,22 +21,28 @@ lets its owner free what it holds (engine contexts, an engine stream; the close 
 cancellation). An error raised mid-stream becomes one error event (the status line is already sent),
 followed by ``[DONE]``.
 
+Whole answers (:func:`cancel_on_disconnect`) -- a non-streaming route awaits its work through the same watch:
+the client's ``http.disconnect`` cancels the work (whose cleanup frees what it holds) instead of letting it run
+to the end for nobody, and raises :class:`ClientDisconnected` (nothing is sent: the socket is gone). Both call
+``on_disconnect`` once, so the caller can count the cancellation with its reason.
+
 This module imports only Starlette/FastAPI and :mod:`parrot.common`, so an engine process does not load the
 API app or the manager.
 """
 
 from __future__ import annotations
 
-import math
-
+import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -45,6 +51,7 @@ from parrot.common.errors import ParrotError
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
 
 
@@ -98,8 +105,14 @@ async def unexpected_error_handler(request: Request, exc: Exception) -> JSONResp
     return JSONResponse(internal_error_body(exc), status_code=500)
 
 
+async def disconnected_handler(request: Request, exc: Exception) -> Response:
+    """Nobody reads this answer (the client is gone): 499, nginx's "client closed request", for the access log."""
+    return Response(status_code=499)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ParrotError, parrot_error_handler)
+    app.add_exception_handler(ClientDisconnected, disconnected_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_exception_handler(Exception, unexpected_error_handler)
@@ -118,19 +131,72 @@ def encode_named_event(payload: dict) -> bytes:
     return b"event: " + str(payload.get("type", "error")).encode() + b"\n" + encode_event(payload)
 
 
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its answer was ready; its work was cancelled. Nothing can be sent back
+    (raised out of the route, it ends the request without a response the client could read)."""
+
+
+async def _disconnect(receive: Receive) -> None:
+    """Return when ``receive`` delivers ``http.disconnect`` (the body was already read, so nothing else comes)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass  # e.g. an empty trailing http.request message: keep listening
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    """Mark the task's outcome as seen (nobody awaits it any more; asyncio would log it as never retrieved)."""
+    if not task.cancelled():
+        task.exception()
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T], *,
+                               on_disconnect: Callable[[], None] | None = None) -> T:
+    """Await ``work``; if the client disconnects first, cancel it, wait for its cleanup (frees, releases) and
+    raise :class:`ClientDisconnected`, after calling ``on_disconnect`` if the work was indeed cut short."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnect(request.receive))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the route itself is cancelled (server shutdown): so is its work
+        task.cancel()
+        task.add_done_callback(_retrieve)
+        raise
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    logger.info("%s %s: client disconnected; cancelling its work", request.method, request.url.path)
+    task.cancel()
+    await asyncio.wait((task,))  # its cleanup (shielded frees) runs to the end
+    _retrieve(task)  # it may have ended on its own meanwhile: nobody reads that outcome
+    if task.cancelled() and on_disconnect is not None:
+        on_disconnect()
+    raise ClientDisconnected(f"{request.method} {request.url.path}")
+
+
 class EventStreamResponse(StreamingResponse):
     """An SSE stream of ``events`` (JSON-able dicts) that stops at once when the client disconnects.
 
     ``events`` is always closed (``aclose``) when the response ends, however it ends; ``disconnected`` tells
-    afterwards whether the client went away first. ``named``: Responses-API framing (see the module docstring)."""
+    afterwards whether the client went away first (``on_disconnect`` is called when it does). ``named``:
+    Responses-API framing (see the module docstring)."""
 
-    def __init__(self, events: AsyncIterator[dict], *, named: bool = False) -> None:
+    def __init__(self, events: AsyncIterator[dict], *, named: bool = False,
+                 on_disconnect: Callable[[], None] | None = None) -> None:
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._events = events
         self._encode = encode_named_event if named else encode_event
         self._done = b"" if named else DONE
+        self._on_disconnect = on_disconnect
+        self._complete = False  # the last byte is being sent: a disconnect from now on is the normal end
         self.disconnected = False
+
+    def _went_away(self) -> None:
+        if not self.disconnected and not self._complete:
+            logger.info("client disconnected; stopping the stream")
+            self.disconnected = True
+            if self._on_disconnect is not None:
+                self._on_disconnect()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
@@ -140,8 +206,7 @@ class EventStreamResponse(StreamingResponse):
                 while True:
                     message = await receive()
                     if message["type"] == "http.disconnect":
-                        self.disconnected = True
-                        logger.info("client disconnected; stopping the stream")
+                        self._went_away()
                         tg.cancel_scope.cancel()
                         return
 
@@ -158,9 +223,10 @@ class EventStreamResponse(StreamingResponse):
                     await send({"type": "http.response.body", "body": self._encode(internal_error_body(e)),
                                 "more_body": True})
                 await send({"type": "http.response.body", "body": self._done, "more_body": True})
+                self._complete = True
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             except OSError:
-                self.disconnected = True  # the socket is gone
+                self._went_away()  # the socket is gone
             finally:
                 with anyio.CancelScope(shield=True):
                     aclose = getattr(self._events, "aclose", None)

@@ -214,4 +214,4 @@ def test_sdk_responses_plain_stream_and_previous_response_id(oai):
     assert e.value.code == "previous_response_not_found"
     with pytest.raises(openai.BadRequestError) as e:
         oai.responses.create(model="fake-model", input="x", tools=[{"type": "web_search"}])
-    assert e.value.param == "tools"
+    assert e.value.param == "tools[0].type" and "web_search" in e.value.message  # function tools only

@@ -248,3 +248,43 @@ def test_mixed_cluster_builtin_and_external(llama):
         tiny = httpx.post(f"{url}/v1/completions", timeout=60, json={
             "model": engines["engine-0"]["model"], "prompt": "hello", "max_tokens": 3, "temperature": 0})
         assert tiny.status_code == 200, tiny.text
+
+
+def test_logit_bias_and_min_p_reach_llama_server(llama):
+    """logit_bias (+100 on one token) makes the server generate that token; min_p 1.0 keeps only the top token
+    (a sampled run at temperature 1 equals the greedy one)."""
+    async def go():
+        eng = _engine(llama)
+        try:
+            ids = await eng.tokenize("The capital of France is")
+            forced = (await eng.tokenize(" banana"))[0]
+            await eng.fill(ids, "x")
+            biased = await eng.generate(SamplingParams(max_tokens=3, logit_bias={forced: 100.0}), "x")
+            await eng.fill(ids, "g")
+            greedy = await eng.generate(SamplingParams(max_tokens=6), "g")
+            await eng.fill(ids, "m")
+            top_only = await eng.generate(SamplingParams(max_tokens=6, temperature=1.0, min_p=1.0, seed=3), "m")
+            return forced, biased, greedy, top_only
+        finally:
+            await eng.close()
+
+    forced, biased, greedy, top_only = asyncio.run(go())
+    assert list(biased.token_ids) == [forced] * 3
+    assert top_only.token_ids == greedy.token_ids
+
+
+def test_cached_tokens_come_from_the_servers_prefix_cache(manager):
+    """A prompt llama-server has seen: its slot cache serves the head again, and Parrot's usage says so (an
+    external server prefills at generate time, so its own count is the one reported), whole and streamed."""
+    import openai
+
+    client = openai.OpenAI(base_url=manager + "/v1", api_key="x", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    prompt = "Colours: " + ", ".join(["red", "green", "blue", "yellow"] * 30) + ". Name one:"
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    again = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens == again.usage.prompt_tokens > 100
+    assert 100 < again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens, again.usage
+    streamed = list(client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0, stream=True,
+                                              stream_options={"include_usage": True}))
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens > 100, streamed[-1].usage

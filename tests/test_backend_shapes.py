@@ -144,6 +144,10 @@ def vllm_app(model: FakeModel) -> FastAPI:
                                           "finish_reason": finish if last else None, "stop_reason": None,
                                           "token_ids": [ord(c)]}]}
                     yield f"data: {json.dumps(chunk)}\n\n"
+                if (body.get("stream_options") or {}).get("include_usage"):  # vLLM's last chunk: usage only
+                    usage = {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
+                             "total_tokens": len(prompt) + len(ids), "prompt_tokens_details": {"cached_tokens": cached}}
+                    yield f"data: {json.dumps({'id': 'cmpl-1', 'choices': [], 'usage': usage})}\n\n"
                 yield "data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
         return {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "fake/llama",
@@ -281,7 +285,7 @@ def test_sampling_fields_map_to_each_server(server):
             await eng.fill(await eng.tokenize("hello"), "c")
             s = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=20, min_tokens=1,
                                repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.25, stop=("x",),
-                               stop_token_ids=(5,), ignore_eos=True, seed=11)
+                               stop_token_ids=(5,), ignore_eos=True, seed=11, logit_bias={7: 2.5}, min_p=0.05)
             return await eng.generate(s, "c")
         finally:
             await eng.close()
@@ -292,13 +296,15 @@ def test_sampling_fields_map_to_each_server(server):
         assert body["prompt"] == [ord(c) for c in "hello"] and body["model"] == "fake/llama"
         expect = {"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 20, "min_tokens": 1,
                   "repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": 0.25, "stop": ["x"],
-                  "stop_token_ids": [5], "ignore_eos": True, "seed": 11, "return_token_ids": True, "stream": False}
+                  "stop_token_ids": [5], "ignore_eos": True, "seed": 11, "return_token_ids": True, "stream": False,
+                  "logit_bias": {"7": 2.5}, "min_p": 0.05}
         assert {k: body[k] for k in expect} == expect
     else:
         assert body["input_ids"] == [ord(c) for c in "hello"] and body["stream"] is False
         expect = {"max_new_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 20, "min_new_tokens": 1,
                   "repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": 0.25, "stop": ["x"],
-                  "stop_token_ids": [5], "ignore_eos": True, "sampling_seed": 11}
+                  "stop_token_ids": [5], "ignore_eos": True, "sampling_seed": 11, "logit_bias": {"7": 2.5},
+                  "min_p": 0.05}
         assert {k: body["sampling_params"][k] for k in expect} == expect
 
 
@@ -322,6 +328,29 @@ def test_stream_yields_increments_and_extends_context(server):
     assert after.text == "<7>"  # 3 prompt + 4 streamed tokens
 
 
+def test_the_servers_prefix_cache_hit_is_reported_whole_and_streamed(server):
+    """An external server prefills at generate time: its own cached count (the fake's longest shared prefix with
+    an earlier prompt) comes back on the result and on the stream's last chunk."""
+    kind, url, model = server
+
+    async def go():
+        eng = build_backend(BackendSpec(url), BackendKind(kind), "ext-0")
+        try:
+            await eng.fill(await eng.tokenize("shared head one"), "a")
+            first = await eng.generate(SamplingParams(max_tokens=2), "a")
+            await eng.fill(await eng.tokenize("shared head two"), "b")
+            again = await eng.generate(SamplingParams(max_tokens=2), "b")
+            await eng.fill(await eng.tokenize("shared head three"), "c")
+            chunks = [c async for c in eng.generate_stream(SamplingParams(max_tokens=2), "c")]
+            return first, again, chunks
+        finally:
+            await eng.close()
+
+    first, again, chunks = asyncio.run(go())
+    assert (first.cached_prompt_tokens, again.cached_prompt_tokens) == (0, len("shared head "))
+    assert chunks[-1].finish_reason is not None and chunks[-1].cached_prompt_tokens == len("shared head t")
+
+
 def test_errors_are_typed(server):
     kind, url, model = server
 
@@ -334,6 +363,8 @@ def test_errors_are_typed(server):
                     await eng.generate(SamplingParams(temperature=3.0), "c")
             with pytest.raises(BadSamplingParams, match="logprobs"):  # not mapped: refused before sending
                 await eng.generate(SamplingParams(logprobs=2), "c")
+            with pytest.raises(BadSamplingParams, match="bad_words"):
+                await eng.generate(SamplingParams(bad_words_ids=((5, 6),)), "c")
             with pytest.raises(ContextLengthExceeded):  # beyond the window: checked here, nothing sent
                 await eng.fill([65] * WINDOW, "c")
             sent = len(model.requests)

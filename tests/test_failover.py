@@ -225,12 +225,20 @@ def test_killed_engine_process_requests_rerun_on_the_survivor(tmp_path, default_
     settings = ServerSettings(policy="fifo-latency", engine_heartbeat_s=0.5, heartbeat_timeout_s=5,
                               engine_secret=SECRET)
     server = LocalServer(create_app(settings, []))
+    # before any engine registered: 503 not_ready with Retry-After (after a short wait), never an empty model list
+    # that looks final, nor a 404 for a model that may well come
+    models = httpx.get(server.url + "/v1/models", timeout=30)
+    assert models.status_code == 503 and models.json()["error"]["code"] == "not_ready", models.text
+    assert int(models.headers["retry-after"]) >= 1
+    early = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=30)
+    assert early.status_code == 503 and early.json()["error"]["code"] == "not_ready", early.text
     log = open(tmp_path / "engines.log", "w")
     procs = start_engines(2, server.url, secret=SECRET, engine_args=TINY_ENGINE, prefix="fo", heartbeat_s=0.3,
                           output=log)
     session = None
     try:
         wait_until(lambda: _live(server.url) == {"fo-0", "fo-1"}, 180, "two engines to register")
+        assert len(httpx.get(server.url + "/v1/models", timeout=30).json()["data"]) == 1
         session = connect(server.url, make_default=False)
         long = Output(max_tokens=850, ignore_eos=True, temperature=0.0, stop=[])
         short = Output(max_tokens=30, ignore_eos=True, temperature=0.0, stop=[])
@@ -330,6 +338,9 @@ def test_parrot_serve_starts_engine_children_that_die_with_it(default_model_path
         children = [int(p) for p in re.findall(r"\(pid (\d+)\)", line)]
         assert len(children) == 2, line
         url = f"http://127.0.0.1:{port}"
+        ready = proc.stdout.readline()  # printed once the first engine child registered and answered
+        assert re.match(r"parrot: ready: engine-[01] serves \S+ at http://\S+/v1$", ready.strip()), ready
+        assert httpx.get(f"{url}/v1/models", timeout=30).json()["data"], "ready, yet no model listed"
 
         def up():
             try:

@@ -289,7 +289,7 @@ def test_restored_requests_wait_for_a_first_engine_then_fail_after_restore_wait_
         await mgr4.start()
         with pytest.raises(StepFailed) as err:
             await mgr4.get_variable(mgr4.session(s3.session_id, s3.token), out3, timeout_s=5)
-        assert err.value.cause_code == "engine_unavailable"
+        assert err.value.cause_code == "not_ready"  # an EngineUnavailable: no engine has registered at all
         await mgr4.stop()
 
     asyncio.run(main())

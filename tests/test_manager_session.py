@@ -50,7 +50,7 @@ def test_session_auth_and_limits():
     asyncio.run(main())
 
 
-def test_ttl_expiry_closes_session_frees_contexts_and_fails_waiting_gets():
+def test_ttl_expiry_waits_for_waiting_gets_then_closes_session_frees_contexts_and_fails_gets():
     now = [1000.0]
 
     async def main():
@@ -67,11 +67,19 @@ def test_ttl_expiry_closes_session_frees_contexts_and_fails_waiting_gets():
             now[0] += 5
             assert await mgr.expire_sessions() == 0
             now[0] += 11
+            assert await mgr.expire_sessions() == 0  # a GET is waiting for the value: the session is in use
+            waiting.cancel()  # that client went away: its wait ends, the producer keeps running
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            assert set(eng.contexts) == {req.context_id} and s.waiting_gets == 0
+            now[0] += 11  # ttl_s after that wait ended
             assert await mgr.expire_sessions() == 1
             assert eng.contexts == {} and eng.freed == [req.context_id]
             with pytest.raises(StepFailed) as e:
-                await asyncio.wait_for(waiting, 5)
+                await mgr.get_variable(s, req.outputs[0], timeout_s=5)
             assert e.value.cause_code == "unknown_session"
+            text = mgr.metrics.render().decode()
+            assert 'parrot_cancelled_requests_total{api="parrot",reason="session_expired"} 1.0' in text
             with pytest.raises(UnknownSession):
                 mgr.session(s.session_id, s.token)
             assert s.tasks == set()

@@ -1,6 +1,6 @@
 """The OpenAI Responses API (/v1/responses) over HTTP with the fake engine: plain and streamed turns, the
 official event sequence, previous_response_id conversations (per API key, TTL with an injected clock, LRU
-bound), GET / DELETE and the 400s for what this server does not do."""
+bound), GET / DELETE and the 400s for what this server does not do (function tools: test_responses_tools.py)."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def test_plain_response_renders_instructions_and_input_with_the_chat_template(cl
     usage = body["usage"]
     assert usage["input_tokens"] == 1 + len(rendered(messages))
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
-    assert usage["input_tokens_details"] == {"cached_tokens": 0}
+    assert usage["input_tokens_details"] == {"cached_tokens": 0, "cache_write_tokens": 0}
     assert body["instructions"] == "Be brief." and body["store"] is True
 
 
@@ -212,7 +212,8 @@ def test_the_api_key_owns_the_stored_responses():
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"max_tool_calls": 1}, "max_tool_calls"),
     ({"reasoning": {"effort": "low"}}, "reasoning"),
     ({"background": True}, "background"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
@@ -220,10 +221,10 @@ def test_the_api_key_owns_the_stored_responses():
     ({"text": {"verbosity": "low"}}, "text"),
     ({"truncation": "auto"}, "truncation"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"frequency": 1}, "frequency"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
      "input[0].content[0].type"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].type"),
+    ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input[0].output"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
     ({"input": []}, "input"),
 ])

@@ -36,6 +36,16 @@ def test_tokenize_messages_counts_as_chat_does(client):
     assert r["count"] == chat["usage"]["prompt_tokens"]
     bare = client.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
     assert bare["count"] == r["count"] - len("<|assistant|>")
+    # vLLM's chat controls count as chat counts them: the last message left open (no "\n" after it)
+    follow = [*messages, {"role": "assistant", "content": "Par"}]
+    opened = {"messages": follow, "add_generation_prompt": False, "continue_final_message": True}
+    cont = client.post("/tokenize", json=opened).json()
+    chat = client.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 1, **opened}).json()
+    assert cont["count"] == chat["usage"]["prompt_tokens"] == bare["count"] + len("<|assistant|>Par")
+    both = client.post("/tokenize", json={**opened, "add_generation_prompt": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+    reserved = client.post("/tokenize", json={"messages": messages, "chat_template_kwargs": {"messages": []}})
+    assert reserved.status_code == 400 and reserved.json()["error"]["param"] == "chat_template_kwargs.messages"
 
 
 def test_detokenize_round_trip_and_errors(client):

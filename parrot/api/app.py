@@ -27,21 +27,27 @@ from parrot.engine.interface import EngineClient
 from parrot.http_edge import install_error_handlers
 from parrot.manager.completions import CompletionService
 from parrot.manager.dispatcher import Policy
-from parrot.manager.engine_registry import EngineRegistry
+from parrot.manager.engine_registry import EngineRegistry, Listener
 from parrot.manager.manager import Manager
 from parrot.manager.responses_store import ResponsesService, ResponseStore
 
 
 def create_app(settings: ServerSettings | None = None, engines: Sequence[EngineClient] = (), *,
-               policy: Policy | None = None, clock: Callable[[], float] = time.time) -> FastAPI:
-    """``clock``: the manager's one clock (session TTLs, stored responses' TTL); tests pass a fake one."""
+               policy: Policy | None = None, clock: Callable[[], float] = time.time,
+               engine_listeners: Sequence[Listener] = ()) -> FastAPI:
+    """``clock``: the manager's one clock (session TTLs, stored responses' TTL); tests pass a fake one.
+    ``engine_listeners``: called with each engine entry whose state changes (alive, dead), from the first
+    probe on (``parrot serve`` prints "ready" from one)."""
     settings = settings or ServerSettings()
     engine_list = list(engines)
     EngineRegistry(engine_list)  # fail fast on nameless or duplicate engines, before serving
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        manager = Manager(EngineRegistry(engine_list), policy=policy, config=settings.manager_config(), clock=clock)
+        registry = EngineRegistry(engine_list)
+        for listener in engine_listeners:
+            registry.add_listener(listener)
+        manager = Manager(registry, policy=policy, config=settings.manager_config(), clock=clock)
         await manager.start()
         app.state.manager = manager
         app.state.in_flight = InFlight(manager)  # per-tenant calls in flight (parrot.api.limits)

@@ -3,15 +3,19 @@ the Responses API (``/v1/responses``: create, stream, get, delete).
 
 Routes only translate: the request becomes the completion service's plain spec (:mod:`parrot.api.openai_shapes`),
 the service plans and runs it (:mod:`parrot.manager.completions`), the typed result is shaped back into OpenAI
-JSON or an SSE stream (:class:`parrot.http_edge.EventStreamResponse`, which stops the work at once when the
-client disconnects). Planning (validation, tokenization, window check) happens before the response starts, so
-bad input is a proper 4xx even for ``stream: true``. Stored responses belong to the caller's API key (a hash
+JSON or an SSE stream (:class:`parrot.http_edge.EventStreamResponse`). Abandoned work is cancelled: a client that
+disconnects, streaming or not, stops its work at once (the stream's close, or
+:func:`parrot.http_edge.cancel_on_disconnect` around a whole answer), which leaves the engine batch and frees
+its contexts; ``parrot_cancelled_requests_total{reason="client_disconnected"}`` counts it. Planning
+(validation, tokenization, window check) happens before the response starts, so bad input is a proper 4xx even
+for ``stream: true``. Stored responses belong to the caller's API key (a hash
 of the bearer the key check let through; ``anonymous`` when the server has no key).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -21,10 +25,12 @@ from parrot.api import responses_shapes
 from parrot.api.limits import InFlight, RequestLimits, request_limits
 from parrot.api.tenants import ANONYMOUS
 from parrot.api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, ResponsesRequest
-from parrot.http_edge import EventStreamResponse
+from parrot.common.errors import NotReady
+from parrot.http_edge import EventStreamResponse, cancel_on_disconnect
 from parrot.manager.completion_types import CompletionPlan
 from parrot.manager.completions import CompletionService
 from parrot.manager.manager import Manager
+from parrot.manager.metrics import CancelReason
 from parrot.manager.responses_store import ResponsesService
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -34,13 +40,22 @@ def _service(request: Request) -> CompletionService:
     return request.app.state.completions
 
 
+MODELS_WAIT_S = 2.0  # how long /v1/models waits for a first engine before answering 503 (a server starting)
+
+
 @router.get("/models", response_model=ModelList)
 async def list_models(request: Request) -> ModelList:
+    """The models of the registered engines. While none has registered (the server is starting) it waits up to
+    :data:`MODELS_WAIT_S`, then answers 503 ``not_ready`` with ``Retry-After``: never an empty list that looks
+    final to a client that lists models before its first request."""
     manager: Manager = request.app.state.manager
     created = int(request.app.state.started_at)
     registry = manager.registry
+    infos = await registry.wait_for_models(MODELS_WAIT_S)
+    if not infos:
+        raise NotReady("no engine has registered yet (the server is starting); retry shortly")
     return ModelList(data=[ModelCard(id=info.name, created=created, max_model_len=info.max_model_len,
-                                     numerics=registry.numerics_of(info.name)) for info in registry.model_infos()])
+                                     numerics=registry.numerics_of(info.name)) for info in infos])
 
 
 @router.post("/completions")
@@ -66,15 +81,24 @@ def _in_flight(request: Request) -> InFlight:
     return request.app.state.in_flight
 
 
+def _on_disconnect(request: Request, api: str) -> Callable[[], None]:
+    """Counts a client that went away from ``api`` before its answer (its work is cancelled)."""
+    metrics = request.app.state.manager.metrics
+    return lambda: metrics.cancelled(api, CancelReason.CLIENT_DISCONNECTED)
+
+
 async def _respond(request: Request, service: CompletionService, plan: CompletionPlan,
                    body: CompletionRequest | ChatCompletionRequest, limits: RequestLimits) -> Response:
     """Run a planned call, counted in flight for its tenant until its last byte (limits.InFlight)."""
     limits.check_plan(plan)
     in_flight = _in_flight(request)
+    gone = _on_disconnect(request, "chat" if plan.chat else "completions")
     if body.stream:
         return EventStreamResponse(in_flight.held(limits.tenant, shapes.stream_chunks(
-            plan, service.stream(plan), with_usage=shapes.include_usage(body))))
-    return JSONResponse(shapes.completion_body(plan, await in_flight.counted(limits.tenant, service.complete(plan))))
+            plan, service.stream(plan), with_usage=shapes.include_usage(body))), on_disconnect=gone)
+    result = await cancel_on_disconnect(request, in_flight.counted(limits.tenant, service.complete(plan)),
+                                        on_disconnect=gone)
+    return JSONResponse(shapes.completion_body(plan, result))
 
 
 # ---- Responses API --------------------------------------------------------------------------------------------
@@ -97,11 +121,13 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         spec = dataclasses.replace(spec, max_output_tokens=max_output)
     plan = await service.plan(spec, _owner(request))
     limits.check_plan(plan.completion)
+    gone = _on_disconnect(request, "responses")
     if body.stream:
         return EventStreamResponse(in_flight.held(limits.tenant, responses_shapes.response_events(
-            plan, service.stream(plan))), named=True)
-    return JSONResponse(responses_shapes.response_body(plan, await in_flight.counted(limits.tenant,
-                                                                                      service.complete(plan))))
+            plan, service.stream(plan))), named=True, on_disconnect=gone)
+    result = await cancel_on_disconnect(request, in_flight.counted(limits.tenant, service.complete(plan)),
+                                        on_disconnect=gone)
+    return JSONResponse(responses_shapes.response_body(plan, result))
 
 
 @router.get("/responses/{response_id}")

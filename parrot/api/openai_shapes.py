@@ -12,6 +12,10 @@ them; one that does not compile: 400 naming its field). Tools (:mod:`parrot.mana
 choice's text is read as tool calls (``message.tool_calls``, finish reason ``tool_calls``); streamed, a forced
 call's arguments stream as ``delta.tool_calls`` fragments, other calls come whole when the choice ends.
 
+Request fields (docs/api.md, "Request fields"): sampling fields become :class:`SamplingParams` fields here; the
+rest of the policy (request options, recorded and refused fields, prompt logprobs' shape) is
+:mod:`parrot.api.request_fields`.
+
 Logprobs, per choice (docs/api.md): completions use the legacy shape ``{tokens, token_logprobs, top_logprobs,
 text_offset}`` (``top_logprobs[i]`` = the k most likely tokens plus the chosen one, ``{token: logprob}``; an echoed
 prompt's first token has ``null`` for both; ``text_offset[i]`` = the summed lengths of the tokens before it, as
@@ -25,6 +29,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from typing import Any
 
+from parrot.api.request_fields import prompt_logprobs_body, request_options, template_kwargs, token_text
 from parrot.api.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -57,7 +62,6 @@ from parrot.manager.tool_calls import (
     plan_tools,
 )
 
-
 # ---- requests -> specs ------------------------------------------------------------------------------------------
 def completion_spec(req: CompletionRequest) -> CompletionSpec:
     _reject_unsupported(req, {"suffix": req.suffix is not None,
@@ -65,7 +69,7 @@ def completion_spec(req: CompletionRequest) -> CompletionSpec:
     # one text, one list of token ids, or a list of either
     prompts = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else list(req.prompt)
     return CompletionSpec(req.model, prompts, _choices(req, req.max_tokens, req.logprobs, constraint(req)),
-                          echo=req.echo)
+                          echo=req.echo, options=request_options(req))
 
 
 def chat_spec(req: ChatCompletionRequest) -> ChatSpec:
@@ -84,7 +88,10 @@ def chat_spec(req: ChatCompletionRequest) -> ChatSpec:
     if tools is not None and tools.choice in (ToolChoice.NAMED, ToolChoice.REQUIRED):
         forced["tool_choice"] = tools.constraint
     return ChatSpec(req.model, message_dicts(req.messages),
-                    _choices(req, asked, logprobs, constraint(req, forced)), tools=tools)
+                    _choices(req, asked, logprobs, constraint(req, forced)), tools=tools,
+                    options=request_options(req), template_kwargs=template_kwargs(req),
+                    add_generation_prompt=req.add_generation_prompt,
+                    continue_final_message=req.continue_final_message)
 
 
 def message_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
@@ -166,7 +173,6 @@ def format_constraint(kind: str, schema: dict[str, Any] | None, schema_param: st
 
 
 def _reject_unsupported(req: _SamplingRequest, flags: dict[str, bool]) -> None:
-    flags = {**flags, "logit_bias": bool(req.logit_bias)}
     for name, used in flags.items():
         if used:
             raise InvalidRequestError(f"'{name}' is not supported by this server", param=name)
@@ -185,9 +191,10 @@ def _choices(req: _SamplingRequest, max_tokens: int | None, logprobs: int | None
         "stop": (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
         "stop_token_ids": tuple(req.stop_token_ids or ()), "ignore_eos": req.ignore_eos, "seed": req.seed,
         "include_stop_str_in_output": req.include_stop_str_in_output, "logprobs": logprobs,
-        "constraint": constraint,
+        "constraint": constraint, "logit_bias": dict(req.logit_bias or {}),
+        "min_p": 0.0 if req.min_p is None else req.min_p, "skip_special_tokens": req.skip_special_tokens,
     }
-    return ChoiceSpec(n=req.n, max_tokens=max_tokens, sampling=sampling)
+    return ChoiceSpec(n=req.n, max_tokens=max_tokens, sampling=sampling, bad_words=tuple(req.bad_words or ()))
 
 
 def include_usage(req: _SamplingRequest) -> bool:
@@ -196,10 +203,19 @@ def include_usage(req: _SamplingRequest) -> bool:
 
 # ---- results -> bodies and chunks -------------------------------------------------------------------------------
 def completion_body(plan: CompletionPlan, result: CompletionResult) -> dict:
-    return {"id": plan.id, "object": "chat.completion" if plan.chat else "text_completion",
-            "created": plan.created, "model": plan.model,
-            "choices": [_choice(plan, index, res) for index, res in enumerate(result.choices)],
-            "usage": usage_body(result.usage)}
+    """The whole answer. With ``prompt_logprobs`` (vLLM's shape): chat has them at the top, completions on each
+    choice (its prompt's)."""
+    choices = [_choice(plan, index, res) for index, res in enumerate(result.choices)]
+    body = {"id": plan.id, "object": "chat.completion" if plan.chat else "text_completion",
+            "created": plan.created, "model": plan.model, "choices": choices, "usage": usage_body(result.usage)}
+    if result.prompt_logprobs is not None:
+        per_prompt = [prompt_logprobs_body(plan, positions) for positions in result.prompt_logprobs]
+        if plan.chat:
+            body["prompt_logprobs"] = per_prompt[0]
+        else:
+            for index, choice in enumerate(choices):
+                choice["prompt_logprobs"] = per_prompt[index // plan.n]
+    return body
 
 
 async def stream_chunks(plan: CompletionPlan, events: AsyncIterator[ChoiceDelta | Usage], *,
@@ -209,12 +225,17 @@ async def stream_chunks(plan: CompletionPlan, events: AsyncIterator[ChoiceDelta 
     offsets = [0] * plan.num_choices  # completions: text_offset of each choice's next token
     tools = plan.tools if plan.tools is not None and plan.tools.choice is not ToolChoice.NONE else None
     calls = [_ToolDeltas(tools) for _ in range(plan.num_choices)] if tools is not None else []
+    # vLLM's continuous_usage_stats (only with include_usage): every chunk carries the usage so far
+    so_far: Usage | None = Usage(plan.prompt_tokens, 0) if with_usage and plan.options.continuous_usage_stats \
+        else None
     async with aclosing(events):
         if plan.chat:  # every chat choice opens with its role
             for index in range(plan.num_choices):
-                yield _chunk(plan, index, {"role": "assistant", "content": ""}, None, None, with_usage)
+                yield _chunk(plan, index, {"role": "assistant", "content": ""}, None, None, with_usage, so_far)
         async for event in events:
             if isinstance(event, ChoiceDelta):
+                if so_far is not None:
+                    so_far = Usage(plan.prompt_tokens, event.completion_tokens)
                 reason = event.finish_reason.value if event.finish_reason is not None else None
                 logprobs = None
                 if plan.logprobs is not None:
@@ -224,7 +245,7 @@ async def stream_chunks(plan: CompletionPlan, events: AsyncIterator[ChoiceDelta 
                     delta, reason = calls[event.index].push(event.text, event.finish_reason)
                     if not delta and reason is None and not (logprobs and logprobs["content"]):
                         continue
-                yield _chunk(plan, event.index, delta, reason, logprobs, with_usage)
+                yield _chunk(plan, event.index, delta, reason, logprobs, with_usage, so_far)
             elif with_usage:
                 yield {"id": plan.id, "object": _chunk_object(plan), "created": plan.created, "model": plan.model,
                        "choices": [], "usage": usage_body(event)}
@@ -295,7 +316,8 @@ class _ToolDeltas:
         if not self.opened and (text or finish is not None):
             assert self.tools.name is not None
             self.opened = True
-            return {"tool_calls": [_call_body(0, ToolCall(new_call_id(), self.tools.name, text), streamed=True)]}, reason
+            call = ToolCall(new_call_id(), self.tools.name, text)
+            return {"tool_calls": [_call_body(0, call, streamed=True)]}, reason
         return ({"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}), reason
 
 
@@ -304,34 +326,36 @@ def _logprobs(plan: CompletionPlan, positions: Sequence[Position], offset: int) 
     """The choice's ``logprobs`` object for ``positions`` (chat, or completions starting at ``offset``), and
     the offset after them."""
     if plan.chat:
-        return {"content": [_chat_position(p) for p in positions if not isinstance(p, UnscoredToken)]}, offset
+        return {"content": [_chat_position(plan, p) for p in positions if not isinstance(p, UnscoredToken)]}, offset
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     for p in positions:
         text_offset.append(offset)
         if isinstance(p, UnscoredToken):
-            tokens.append(p.token)
+            tokens.append(token_text(plan, p))
             token_logprobs.append(None)
             top_logprobs.append(None)
             offset += len(p.token)
             continue
-        tokens.append(p.chosen.token)
+        tokens.append(token_text(plan, p.chosen))
         token_logprobs.append(p.chosen.logprob)
         top: dict[str, float] = {}
         for t in (*p.top, p.chosen):  # the k most likely, then the chosen one; the likelier wins a repeated text
-            top.setdefault(t.token, t.logprob)
+            top.setdefault(token_text(plan, t), t.logprob)
         top_logprobs.append(top)
         offset += len(p.chosen.token)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": text_offset}, offset
 
 
-def token_logprob_body(t: TokenLogprob) -> dict:
-    return {"token": t.token, "logprob": t.logprob, "bytes": list(t.token_bytes)}
+def token_logprob_body(t: TokenLogprob, token: str | None = None) -> dict:
+    """Chat's record of one token (``token``: its text as shown, when not its own; ``bytes`` stay its bytes)."""
+    return {"token": t.token if token is None else token, "logprob": t.logprob, "bytes": list(t.token_bytes)}
 
 
-def _chat_position(p: Position) -> dict:
+def _chat_position(plan: CompletionPlan, p: Position) -> dict:
     assert not isinstance(p, UnscoredToken)  # chat never echoes
-    return {**token_logprob_body(p.chosen), "top_logprobs": [token_logprob_body(t) for t in p.top]}
+    return {**token_logprob_body(p.chosen, token_text(plan, p.chosen)),
+            "top_logprobs": [token_logprob_body(t, token_text(plan, t)) for t in p.top]}
 
 
 def _chunk_object(plan: CompletionPlan) -> str:
@@ -343,7 +367,9 @@ def _delta(plan: CompletionPlan, text: str) -> dict | str:
 
 
 def _chunk(plan: CompletionPlan, index: int, delta: dict | str, finish_reason: str | None, logprobs: dict | None,
-           with_usage: bool) -> dict:
+           with_usage: bool, usage: Usage | None = None) -> dict:
+    """One choice's chunk; with ``include_usage`` it has ``usage``: null, or the usage so far (``usage``: vLLM's
+    continuous_usage_stats)."""
     choice: dict[str, Any] = {"index": index}
     if plan.chat:  # the last chunk of a choice carries no empty content
         choice["delta"] = delta if finish_reason is None or delta != {"content": ""} else {}
@@ -354,5 +380,7 @@ def _chunk(plan: CompletionPlan, index: int, delta: dict | str, finish_reason: s
     chunk = {"id": plan.id, "object": _chunk_object(plan), "created": plan.created, "model": plan.model,
              "choices": [choice]}
     if with_usage:
-        chunk["usage"] = None
+        chunk["usage"] = None if usage is None else {  # cached tokens are known at the end (the last chunk)
+            "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
     return chunk

@@ -27,7 +27,7 @@ from parrot.api.tenants import ANONYMOUS, Tenant
 from parrot.common.errors import StepFailed
 from parrot.common.perf import LatencyTargets, PinnedTargets
 from parrot.common.sampling import SamplingParams
-from parrot.http_edge import EventStreamResponse
+from parrot.http_edge import EventStreamResponse, cancel_on_disconnect
 from parrot.manager.graph import ToolDecl
 from parrot.manager.manager import Manager
 from parrot.manager.session import SessionState
@@ -90,7 +90,7 @@ async def set_variable(vid: str, manager: ManagerDep, session: SessionDep,
 @router.get("/sessions/{sid}/variables/{vid}", response_model=VariableResponse,
             responses={424: {"description": "the producer (or an upstream step) failed; error.cause names why"}})
 async def get_variable(
-    vid: str, manager: ManagerDep, session: SessionDep,
+    vid: str, manager: ManagerDep, session: SessionDep, request: Request,
     criteria: Annotated[str | None, Query(description="latency | throughput (recorded: GetPerfObj)")] = None,
     timeout: Annotated[float, Query(ge=0, description="long-poll seconds (capped at 60)")] = 0.0,
     ttft_ms: Annotated[float | None, Query(gt=0, description="latency target: time to first token")] = None,
@@ -98,7 +98,9 @@ async def get_variable(
     deadline_s: Annotated[float | None, Query(gt=0, description="latency target: value wanted within this")] = None,
 ) -> VariableResponse:
     targets = _targets(manager, ttft_ms, tpot_ms, deadline_s)
-    view = await manager.get_variable(session, vid, criteria=criteria, timeout_s=timeout, targets=targets)
+    # a client that leaves mid-poll ends only its wait (the producer runs on for the session)
+    view = await cancel_on_disconnect(request, manager.get_variable(session, vid, criteria=criteria,
+                                                                     timeout_s=timeout, targets=targets))
     return VariableResponse(var_id=view.var_id, name=view.name, status=view.status.value, value=view.value)
 
 

@@ -1,16 +1,39 @@
-"""Request/response models of the HTTP APIs (docs/api.md). Unknown fields are rejected (400 naming them)."""
+"""Request/response models of the HTTP APIs (docs/api.md, "Request fields").
+
+Unknown fields: the Parrot API rejects them (400 naming them). The OpenAI-compatible requests (completions, chat,
+responses) follow vLLM: the unknown fields are named in one warning per request and dropped (:class:`_Lenient`),
+so a client sending a newer or another server's field still gets its answer, and nothing of it reaches the reply.
+"""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+logger = logging.getLogger(__name__)
 
 MAX_NAME_CHARS = 256
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class _Lenient(BaseModel):
+    """Base of the OpenAI-compatible request bodies: unknown top-level fields are logged (one warning naming them
+    all) and dropped, as vLLM does; known fields are validated as usual (nested objects stay strict)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _drop_unknown(self) -> "_Lenient":
+        extra = self.__pydantic_extra__
+        if extra:
+            logger.warning("%s: ignoring unknown field(s) %s", type(self).__name__, ", ".join(sorted(extra)))
+            extra.clear()
+        return self
 
 
 # ---- Parrot API ---------------------------------------------------------------------------------------------
@@ -91,6 +114,7 @@ class HealthResponse(BaseModel):
 # ---- OpenAI-compatible API ------------------------------------------------------------------------------------
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="vLLM: usage (so far) on every streamed chunk")
 
 
 class JsonSchemaFormat(_Strict):
@@ -121,8 +145,9 @@ class StructuredOutputs(_Strict):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
-class _SamplingRequest(_Strict):
-    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM extras)."""
+class _SamplingRequest(_Lenient):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM extras; docs/api.md "Request
+    fields" says which are honoured, which only recorded and which refused)."""
 
     model: str
     n: int = Field(1, ge=1)
@@ -134,10 +159,29 @@ class _SamplingRequest(_Strict):
     top_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias in [-100, 100] added to its logit")
+    # recorded, change nothing here: metadata / store (nothing is stored), service_tier (one tier), user,
+    # reasoning_effort (not passed to the template; Qwen3's thinking is chat_template_kwargs' enable_thinking)
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
     # vLLM extras
     top_k: int | None = Field(None, description="-1 or 0 disables")
+    min_p: float | None = Field(None, description="drop tokens below min_p x the top token's probability")
+    bad_words: list[str] | None = Field(None, description="words that must not be generated")
+    skip_special_tokens: bool = Field(False, description="leave special tokens out of the text (default: kept)")
+    spaces_between_special_tokens: bool = True
+    prompt_logprobs: int | None = Field(None, description="logprobs of each prompt token and this many alternatives")
+    truncate_prompt_tokens: int | None = Field(None, description="keep only the prompt's last N tokens (-1: the "
+                                               "model's window)")
+    priority: int = Field(0, description="lower is served earlier (vLLM)")
+    request_id: str | None = Field(None, min_length=1, max_length=128, description="the response's id")
+    return_tokens_as_token_ids: bool = Field(False, description="logprobs tokens as 'token_id:N'")
+    cache_salt: str | None = None  # recorded: the prefix cache is not salted here (results are the same)
+    length_penalty: float | None = None  # recorded: it only affects beam search
+    use_beam_search: bool = False  # true is refused (no beam search)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     repetition_penalty: float | None = None
@@ -224,6 +268,10 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[ToolDef] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's chat template controls
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables of the chat template")
+    add_generation_prompt: bool = True
+    continue_final_message: bool = Field(False, description="continue the last (assistant) message, left open")
 
 
 class Usage(BaseModel):
@@ -247,13 +295,15 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-# ---- OpenAI Responses API (text in, text out) ------------------------------------------------------------------
-class ResponsesRequest(_Strict):
+# ---- OpenAI Responses API (text and function tools) -----------------------------------------------------------
+class ResponsesRequest(_Lenient):
     """``POST /v1/responses``. The fields after ``metadata`` are accepted only at values that ask for nothing
-    this server lacks (400 naming the field otherwise); unknown fields are a 400 too."""
+    this server lacks (400 naming the field otherwise); unknown fields are warned about and ignored, as on the
+    other OpenAI endpoints (:class:`_Lenient`)."""
 
     model: str
-    input: str | list[dict[str, Any]] = Field(description="text, or message items (input_text / output_text parts)")
+    input: str | list[dict[str, Any]] = Field(description="text, or items: messages (input_text / output_text "
+                                              "parts), function_call, function_call_output")
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, description="default 1.0 (OpenAI)")
@@ -266,8 +316,10 @@ class ResponsesRequest(_Strict):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     stream_options: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, max_length=128, description="function tools, flat: {type: "
+                                               "function, name, description, parameters, strict}")
+    tool_choice: str | dict[str, Any] | None = Field(None, description='"none" | "auto" | "required" | '
+                                                     '{type: "function", name}')
     parallel_tool_calls: bool | None = None
     max_tool_calls: int | None = None
     reasoning: dict[str, Any] | None = None
@@ -288,6 +340,8 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = Field(True, description="add BOS when the model adds one (as completions do)")
     add_generation_prompt: bool = Field(True, description="messages: end with the assistant turn's opening")
+    continue_final_message: bool = Field(False, description="messages: the last message left open (as in chat)")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="messages: extra template variables")
 
 
 class TokenizeResponse(BaseModel):

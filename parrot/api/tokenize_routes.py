@@ -10,6 +10,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from parrot.api.openai_shapes import message_dicts
+from parrot.api.request_fields import template_kwargs
 from parrot.api.schemas import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from parrot.common.errors import InvalidRequestError
 from parrot.manager.completions import CompletionService
@@ -27,7 +28,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
         raise InvalidRequestError("give exactly one of 'prompt' and 'messages'", param="prompt")
     result = await _service(request).tokenize(
         body.model, prompt=body.prompt, messages=message_dicts(body.messages) if body.messages is not None else None,
-        add_special_tokens=body.add_special_tokens, add_generation_prompt=body.add_generation_prompt)
+        add_special_tokens=body.add_special_tokens, add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message, template_kwargs=template_kwargs(body))
     return TokenizeResponse(count=len(result.token_ids), max_model_len=result.max_model_len, tokens=result.token_ids)
 
 

@@ -267,8 +267,12 @@ class Dialect(abc.ABC):
             "top_k": sampling.top_k > 0,
             "stop_token_ids": bool(sampling.stop_token_ids),
             "include_stop_str_in_output": sampling.include_stop_str_in_output,
+            "logit_bias": bool(sampling.logit_bias),
+            "min_p": sampling.min_p > 0.0,
+            # no dialect maps it (vLLM's takes words, ours are token sequences): refused, never silently dropped
+            "bad_words": bool(sampling.bad_words_ids),
         }
-        for name in fields:
+        for name in (*fields, "bad_words"):
             if checks[name]:
                 raise BadSamplingParams(f"{name} is not supported by {self.kind} backends (engine "
                                         f"{self.http.name})", param=name)
@@ -401,7 +405,7 @@ class BackendEngine(EngineClient):
         self._learn_cost(len(items), len(ids), out.ttft_s, latency)
         return GenerateResult(context_id, tuple(ids), out.text, out.finish_reason or FinishReason.STOP, len(items),
                               ttft_s=min(out.ttft_s, latency) if out.ttft_s is not None else latency,
-                              latency_s=latency)
+                              latency_s=latency, cached_prompt_tokens=out.cached_tokens)
 
     async def generate_stream(self, sampling: SamplingParams, context_id: str, parent_context_id: str | None = None,
                               *, hint: OpHint | None = None) -> AsyncIterator[GenerateChunk]:
@@ -412,10 +416,12 @@ class BackendEngine(EngineClient):
         ids: list[int] = []
         reported = True
         finish: FinishReason | None = None
+        cached: int | None = None  # the server's prefix-cache hit, when its stream reports one
         state: dict = {}
         try:
             async for event in self.dialect.http.events(path, body, errors=self.dialect.error):
                 piece = self.dialect.parse_event(event, state)
+                cached = piece.cached_tokens if piece.cached_tokens is not None else cached
                 if piece.token_ids is None:
                     reported = False
                 texts.append(piece.text)
@@ -432,7 +438,7 @@ class BackendEngine(EngineClient):
         generated = await self._generated_items(text, tuple(ids) if reported else None)
         self._append(context_id, generated)
         self._learn_cost(len(items), len(ids) if reported else len(generated), first, latency)
-        yield GenerateChunk((), "", finish or FinishReason.STOP)
+        yield GenerateChunk((), "", finish or FinishReason.STOP, cached_prompt_tokens=cached)
 
     async def free_context(self, context_id: str) -> None:
         self._contexts.free(context_id)

@@ -6,8 +6,8 @@ Request and response fields follow llama.cpp's tools/server/README.md (the copy 
 * ``POST /completion`` ``{prompt: [ids], n_predict, temperature, top_k, top_p, min_p, repeat_penalty,
   presence_penalty, frequency_penalty, seed, stop, ignore_eos, cache_prompt, id_slot, return_tokens, stream}``
   -> ``{content, tokens, stop_type: none|eos|limit|word, stopping_word, tokens_cached, tokens_evaluated,
-  timings: {prompt_ms, ...}}``; streamed as SSE events ``{content, tokens, stop, ...}`` (the last one with
-  ``stop: true`` and ``stop_type``).
+  timings: {prompt_ms, cache_n (prompt tokens its cache served), ...}}``; streamed as SSE events
+  ``{content, tokens, stop, ...}`` (the last one with ``stop: true``, ``stop_type`` and ``timings``).
 * ``POST /tokenize`` ``{content, add_special, parse_special}`` -> ``{tokens}``; ``POST /detokenize`` ``{tokens}``
   -> ``{content}``.
 * ``GET /health`` -> 200 ``{status: ok}``, 503 while loading; ``GET /props`` -> ``{default_generation_settings:
@@ -105,7 +105,7 @@ class LlamaCppDialect(Dialect):
                                            "include_stop_str_in_output"))
         body = {
             "prompt": prompt, "n_predict": max_tokens, "temperature": sampling.temperature,
-            "top_k": sampling.top_k, "top_p": sampling.top_p, "min_p": 0.0, "typical_p": 1.0,
+            "top_k": sampling.top_k, "top_p": sampling.top_p, "min_p": sampling.min_p, "typical_p": 1.0,
             "repeat_penalty": sampling.repetition_penalty, "repeat_last_n": -1 if sampling.needs_penalties else 0,
             "presence_penalty": sampling.presence_penalty, "frequency_penalty": sampling.frequency_penalty,
             "stop": list(sampling.stop), "ignore_eos": sampling.ignore_eos, "cache_prompt": True, "id_slot": -1,
@@ -113,6 +113,8 @@ class LlamaCppDialect(Dialect):
         }
         if sampling.seed is not None:
             body["seed"] = sampling.seed
+        if sampling.logit_bias:
+            body["logit_bias"] = [[t, b] for t, b in sampling.logit_bias]
         return "/completion", body
 
     @staticmethod
@@ -131,11 +133,19 @@ class LlamaCppDialect(Dialect):
         return Completion(
             text=str(body.get("content", "")), token_ids=tuple(int(t) for t in tokens) if tokens is not None else None,
             finish_reason=self._finish(body) or FinishReason.STOP, prompt_tokens=body.get("tokens_evaluated"),
-            cached_tokens=body.get("tokens_cached"),
+            cached_tokens=_cache_n(body),
             ttft_s=float(prompt_ms) / 1000 if isinstance(prompt_ms, (int, float)) else None)
 
     def parse_event(self, event: dict, state: dict) -> Completion:
         tokens = event.get("tokens")
         return Completion(text=str(event.get("content", "")),
                           token_ids=tuple(int(t) for t in tokens) if tokens is not None else None,
-                          finish_reason=self._finish(event) if event.get("stop") else None)
+                          finish_reason=self._finish(event) if event.get("stop") else None,
+                          cached_tokens=_cache_n(event) if event.get("stop") else None)
+
+
+def _cache_n(body: dict) -> int | None:
+    """Prompt tokens the slot's cache served (``timings.cache_n``; ``tokens_cached`` counts the whole cache after
+    the call, generated tokens included, so it is not that)."""
+    n = (body.get("timings") or {}).get("cache_n")
+    return n if isinstance(n, int) and not isinstance(n, bool) else None

@@ -61,8 +61,9 @@ class OpenAIDialect(Dialect):
 
     def completion_request(self, prompt: Prompt, sampling: SamplingParams, max_tokens: int,
                            stream: bool) -> tuple[str, dict]:
+        # logit_bias names token ids, and a text-prompt server's tokenizer is not known to be ours
         self.unsupported(sampling, fields=("logprobs", "constraint", "min_tokens", "top_k", "stop_token_ids",
-                                           "include_stop_str_in_output"))
+                                           "include_stop_str_in_output", "logit_bias", "min_p"))
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": sampling.temperature, "top_p": sampling.top_p,
                 "presence_penalty": sampling.presence_penalty, "frequency_penalty": sampling.frequency_penalty,

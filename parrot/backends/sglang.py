@@ -97,6 +97,10 @@ class SglangDialect(Dialect):
         }
         if sampling.seed is not None:
             params["sampling_seed"] = sampling.seed
+        if sampling.logit_bias:
+            params["logit_bias"] = {str(t): b for t, b in sampling.logit_bias}
+        if sampling.min_p > 0.0:
+            params["min_p"] = sampling.min_p
         return "/generate", {"input_ids": prompt, "sampling_params": params, "stream": stream}
 
     def parse(self, body: dict) -> Completion:
@@ -121,4 +125,5 @@ class SglangDialect(Dialect):
         else:  # an incremental stream
             delta_text, delta_ids = text, ids
             state["text"], state["ids"] = seen_text + text, seen_ids + (ids or ())
-        return Completion(text=delta_text, token_ids=delta_ids, finish_reason=_finish(meta))
+        return Completion(text=delta_text, token_ids=delta_ids, finish_reason=_finish(meta),
+                          cached_tokens=meta.get("cached_tokens"))

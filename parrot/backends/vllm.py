@@ -5,7 +5,7 @@ openai_compatible_server.md, "Extra parameters"; design/metrics.md):
 
 * ``POST /v1/completions`` ``{model, prompt: [ids], max_tokens, temperature, top_p, top_k (-1 = off),
   min_tokens, repetition_penalty, presence_penalty, frequency_penalty, seed, stop, stop_token_ids, ignore_eos,
-  include_stop_str_in_output, skip_special_tokens, return_token_ids, stream}`` ->
+  include_stop_str_in_output, skip_special_tokens, return_token_ids, stream, [logit_bias {id: bias}, min_p]}`` ->
   ``{choices: [{text, token_ids, finish_reason: stop|length}], usage: {prompt_tokens, completion_tokens,
   prompt_tokens_details: {cached_tokens}}}``; streamed as SSE chunks of the same shape (``token_ids`` the delta)
   ending with ``data: [DONE]``.
@@ -24,12 +24,15 @@ Automatic prefix caching (on by default in vLLM v1) reuses the shared prefix of 
 
 from __future__ import annotations
 
+import logging
+
 from parrot.backends.base import Completion, Dialect, Load, Prompt
 from parrot.backends.metrics import parse_prometheus
 from parrot.common.errors import ParrotError
 from parrot.common.sampling import FinishReason, SamplingParams
 from parrot.engine.interface import ModelInfo
 
+logger = logging.getLogger(__name__)
 FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
@@ -52,6 +55,10 @@ class VllmDialect(Dialect):
         self.model = str(card.get("id") or "")
         window = card.get("max_model_len") or self.http.settings.max_model_len or 2048
         info = await self.optional("/tokenizer_info")  # served with --enable-tokenizer-info-endpoint
+        if not info.get("chat_template"):
+            logger.warning("vLLM server %s (model %s) publishes no chat template (start it with "
+                           "--enable-tokenizer-info-endpoint): chat completions on it answer 400 "
+                           "bad_chat_template; completions and semantic functions work", self.http.url, self.model)
         bos = await self._special(info.get("bos_token"))
         eos = await self._special(info.get("eos_token"))
         # what the tokenizer adds to an empty text (a BOS, for models that want one): the manager puts it first,
@@ -107,6 +114,12 @@ class VllmDialect(Dialect):
         }
         if sampling.seed is not None:
             body["seed"] = sampling.seed
+        if stream:  # a last usage chunk: what the server's prefix cache served (usage.prompt_tokens_details)
+            body["stream_options"] = {"include_usage": True}
+        if sampling.logit_bias:  # the server's own token ids (prompts are its tokens too)
+            body["logit_bias"] = {str(t): b for t, b in sampling.logit_bias}
+        if sampling.min_p > 0.0:
+            body["min_p"] = sampling.min_p
         return "/v1/completions", body
 
     def parse(self, body: dict) -> Completion:
@@ -121,8 +134,9 @@ class VllmDialect(Dialect):
 
     def parse_event(self, event: dict, state: dict) -> Completion:
         choices = event.get("choices") or []
-        if not choices:  # a usage-only chunk
-            return Completion("", (), None)
+        if not choices:  # the usage-only chunk (stream_options.include_usage): the server's prefix-cache hit
+            details = (event.get("usage") or {}).get("prompt_tokens_details") or {}
+            return Completion("", (), None, cached_tokens=details.get("cached_tokens"))
         choice = choices[0]
         ids = choice.get("token_ids")
         return Completion(text=str(choice.get("text") or ""),

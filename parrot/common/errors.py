@@ -207,6 +207,17 @@ class ServerDraining(EngineUnavailable):
     code = "server_draining"
 
 
+class NotReady(EngineUnavailable):
+    """No engine has registered yet (the server is starting): retry after ``retry_after_s`` (503 + Retry-After),
+    as vLLM answers before its model has loaded."""
+
+    code = "not_ready"
+
+    def __init__(self, message: str, *, param: str | None = None, retry_after_s: float = 2.0) -> None:
+        super().__init__(message, param=param)
+        self.retry_after_s = retry_after_s
+
+
 class ModelNotFound(ParrotError):
     """The configured model file is missing (a setup problem, reported at startup)."""
 

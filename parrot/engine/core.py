@@ -145,6 +145,7 @@ class EngineCore(abc.ABC):
             int(getattr(runner, "kv_bytes_per_token", 0)) or 1, lambda: getattr(runner, "copy_bytes_per_s", None),
             float(getattr(runner, "default_copy_bytes_per_s", 0.0)) or 1e9)
         self.num_generates_finished = 0
+        self.num_ops_aborted = 0  # ops stopped by a free of their context (their caller went away)
         self._cached_status = cached_status
         # what placement may count on (parrot.engine.interface.EngineCapabilities): fixed once the engine is built
         self._capabilities = EngineCapabilities(
@@ -207,6 +208,7 @@ class EngineCore(abc.ABC):
             ctx.freed = True
             for op in ([ctx.active] if ctx.active else []) + list(ctx.pending):
                 self.scheduler.remove(op)
+                self.num_ops_aborted += 1
                 op.finish_reason = FinishReason.ABORT
                 self._complete(op, EngineError(f"context {context_id!r} was freed") if op.kind is OpKind.FILL else None,
                                start_next=False)
@@ -411,7 +413,8 @@ class EngineCore(abc.ABC):
                 self._complete(op, ContextLengthExceeded(
                     f"context {ctx.id!r} already holds {len(ctx.tokens)} tokens = the model's window", param="context_id"))
                 return
-            op.decoder = self.tokenizer.incremental_decoder()
+            op.decoder = self.tokenizer.incremental_decoder(
+                skip_special_tokens=op.sampling.skip_special_tokens)
             op.stopper = StopChecker(op.sampling) if op.sampling.stop else None  # None: the text is the pieces
             if op.sampling.constraint is not None:
                 try:
@@ -626,6 +629,7 @@ class EngineCore(abc.ABC):
             kv_blocks_shared=self.pool.num_shared, kv_blocks_cached=self.pool.num_cached, block_size=self.pool.block_size,
             num_contexts=len(self.contexts), num_preempted_total=sch.num_preemptions,
             extra={"steps": self.num_steps, "tokens_computed": self.num_tokens_computed,
+                   "ops_aborted": self.num_ops_aborted,
                    "prefix_cache_hit_blocks": self.pool.num_hit_blocks,
                    "prefix_cache_query_tokens": self.num_fill_tokens,
                    "prefix_cache_hit_tokens": self.num_fill_cached_tokens,

@@ -41,6 +41,8 @@ class GenerateChunk:
     text: str
     finish_reason: FinishReason | None = None
     logprobs: tuple[PositionLogprobs, ...] = ()  # one per token of token_ids when sampling.logprobs is set
+    # on the final chunk: as GenerateResult.cached_prompt_tokens
+    cached_prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,9 @@ class GenerateResult:
     # with sampling.constraint: whether the output is complete under it (False: cut by max_tokens, a stop string
     # or the window, so it would not parse); None without a constraint
     constraint_complete: bool | None = None
+    # prompt tokens the engine served from its prefix cache when this call prefilled them: an external server
+    # (parrot.backends) prefills at generate time; None from engines whose fill reports it (FillResult.num_cached)
+    cached_prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -80,10 +85,11 @@ class OpHint:
 
     predicted_output_tokens: int | None = None
     tool: ToolHint | None = None  # a tool call is expected right after this generate
+    priority: int = 0  # the request's priority (vLLM's: lower is admitted earlier; ties by arrival)
 
     def to_wire(self) -> dict:
         return {"predicted_output_tokens": self.predicted_output_tokens,
-                "tool": self.tool.to_wire() if self.tool is not None else None}
+                "tool": self.tool.to_wire() if self.tool is not None else None, "priority": self.priority}
 
     @classmethod
     def from_wire(cls, d: Mapping | None) -> "OpHint | None":
@@ -91,7 +97,8 @@ class OpHint:
             return None
         out = d.get("predicted_output_tokens")
         tool = d.get("tool")
-        return cls(int(out) if out is not None else None, ToolHint.from_wire(tool) if tool else None)
+        return cls(int(out) if out is not None else None, ToolHint.from_wire(tool) if tool else None,
+                   int(d.get("priority") or 0))
 
 
 @dataclass(frozen=True)

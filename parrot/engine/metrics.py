@@ -59,6 +59,8 @@ _COUNTERS = (
      "forked contexts read once per step)", lambda s: s.extra.get("shared_prefix_decode_rows")),
     ("parrot_engine_kv_blocks_evicted", "cached KV blocks evicted", lambda s: s.extra.get("kv_blocks_evicted")),
     ("parrot_engine_preemptions", "running ops preempted for memory", lambda s: s.num_preempted_total),
+    ("parrot_engine_aborted_ops", "queued or running ops stopped because their context was freed (the caller went "
+     "away: a client disconnected, a session closed)", lambda s: s.extra.get("ops_aborted")),
     ("parrot_engine_tool_pauses_resumed", "paused contexts resumed by the request's next call",
      lambda s: _extra(s, "tool_pauses", "resumed")),
     ("parrot_engine_tool_pauses_expired", "paused contexts freed because their TTL passed",

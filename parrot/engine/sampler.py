@@ -2,12 +2,14 @@
 
 Greedy rows take one batched argmax. Sampled rows share batched temperature / top-k / top-p masking and then
 draw with their own ``torch.Generator`` (seeded per request), so a seeded request gives the same tokens
-whatever else is in the batch. Penalties and min_tokens are applied per row before either path.
+whatever else is in the batch. Logit bias, bad words, penalties and min_tokens are applied per row before either
+path; ``min_p`` (after temperature, before top-k / top-p) only matters to sampled rows.
 
 Logprobs convention (``SamplingParams.logprobs``): ``log_softmax`` in fp32 of the logits the sampler chose from
-*after* the repetition / presence / frequency penalties and the min_tokens ban of EOS and stop tokens, *before*
-temperature, top-k and top-p. So they describe the model's (penalized) distribution, not the truncated one a
-sampled token was drawn from: a greedy token is always the first of the top, a sampled one need not be in it.
+*after* the logit bias, the bad-words ban, the repetition / presence / frequency penalties and the min_tokens
+ban of EOS and stop tokens, *before* temperature, min_p, top-k and top-p. So they describe the model's (penalized)
+distribution, not the truncated one a sampled token was drawn from: a greedy token is always the first of the
+top, a sampled one need not be in it.
 Only rows that ask pay for them. Prompt logprobs (the runner's) are the same ``log_softmax`` of raw logits.
 
 Constrained rows (``op.guide``, parrot.engine.guided) get their grammar's mask first, in one batched fill for all
@@ -48,6 +50,17 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], ks: Sequence[
         out.append(RawLogprobs(int(t), chosen[i], k, tuple(top_ids[i][:n]) if n else (),
                                tuple(top_vals[i][:n]) if n else ()))
     return out
+
+
+def bad_word_tokens(words: Sequence[Sequence[int]], output_ids: Sequence[int]) -> list[int]:
+    """The tokens ``words`` (token sequences) ban after ``output_ids`` (vLLM's bad words): a sequence's last token
+    where the output ends with the rest of the sequence (a one-token sequence: always)."""
+    banned = []
+    for seq in words:
+        head = len(seq) - 1
+        if head == 0 or (len(output_ids) >= head and tuple(output_ids[len(output_ids) - head:]) == tuple(seq[:head])):
+            banned.append(seq[-1])
+    return banned
 
 
 class MaskFiller:
@@ -128,9 +141,24 @@ class Sampler:
         return op.generator
 
     def _adjust_row(self, logits: torch.Tensor, op: Op) -> None:
-        """In-place penalties and min_tokens suppression on one row of logits (float32)."""
+        """In-place logit bias, bad words, penalties and min_tokens suppression on one row of logits (float32)."""
         sp = op.sampling
         assert sp is not None
+        vocab = logits.shape[0]
+        if sp.logit_bias:  # ids were checked against the vocabulary by the manager; others are ignored here
+            pairs = [(t, b) for t, b in sp.logit_bias if t < vocab]
+            if pairs:
+                ids = torch.tensor([t for t, _ in pairs], dtype=torch.long, device=logits.device)
+                logits.index_add_(0, ids, torch.tensor([b for _, b in pairs], dtype=logits.dtype,
+                                                       device=logits.device))
+        if sp.bad_words_ids:
+            banned_words = bad_word_tokens(sp.bad_words_ids, op.output_ids)
+            banned_words = [t for t in banned_words if t < vocab]
+            if banned_words:
+                kept = logits[banned_words].clone()
+                logits[banned_words] = float("-inf")
+                if not bool(torch.isfinite(logits).any()):
+                    logits[banned_words] = kept  # a grammar allowing nothing else wins over bad words
         if sp.needs_penalties:
             if sp.repetition_penalty != 1.0:
                 seen = torch.tensor(sorted(set(op.ctx.tokens[-4096:])), dtype=torch.long, device=logits.device)
@@ -158,7 +186,7 @@ class Sampler:
         for i, op in enumerate(ops):
             sp = op.sampling
             assert sp is not None
-            if sp.needs_penalties or len(op.output_ids) < sp.min_tokens:
+            if sp.shapes_logits or len(op.output_ids) < sp.min_tokens:
                 self._adjust_row(logits[i], op)
         out = [0] * len(ops)
         greedy = [i for i, op in enumerate(ops) if op.sampling.greedy]  # type: ignore[union-attr]
@@ -214,6 +242,11 @@ class Sampler:
     def _probs(rows: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
         temps = torch.tensor([p.temperature for p in params], dtype=rows.dtype, device=rows.device)
         rows = rows / temps.unsqueeze(1)
+        if any(p.min_p > 0.0 for p in params):  # vLLM: drop tokens below min_p x the top token's probability
+            min_ps = torch.tensor([p.min_p for p in params], dtype=rows.dtype, device=rows.device)
+            probs = rows.softmax(dim=-1)
+            low = probs < probs.amax(dim=-1, keepdim=True) * min_ps.unsqueeze(1)
+            rows = rows.masked_fill(low, float("-inf"))
         if any(p.top_k > 0 for p in params) or any(p.top_p < 1.0 for p in params):
             sorted_logits, sorted_idx = rows.sort(dim=-1, descending=True)
             vocab = rows.shape[1]

@@ -97,6 +97,7 @@ class Tokenizer:
         self.eos_token = backend.id_to_token(eos_token_ids[0]) if eos_token_ids else None
         # byte-level vocabularies: id -> exact bytes (None: other vocabularies stream by re-decoding a window)
         self.token_bytes: list[bytes] | None = self._build_token_bytes() if byte_level else None
+        self._special_ids: frozenset[int] | None = None
         self._template: jinja2.Template | None = None
         if chat_template is not None:
             try:
@@ -143,8 +144,10 @@ class Tokenizer:
         return piece.replace("\u2581", " ").encode("utf-8")
 
     def is_special(self, token_id: int) -> bool:
-        tok = self.backend.get_added_tokens_decoder().get(token_id)
-        return tok is not None and tok.special
+        if self._special_ids is None:  # built once: the backend's table is rebuilt on every call
+            self._special_ids = frozenset(i for i, tok in self.backend.get_added_tokens_decoder().items()
+                                          if tok.special)
+        return token_id in self._special_ids
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra: object) -> str:
         """Render ``messages`` ([{"role", "content"}, ...]) with the model's template in a jinja2 sandbox.
@@ -159,8 +162,8 @@ class Tokenizer:
         except jinja2.TemplateError as exc:
             raise TemplateError(f"chat template failed for these messages: {exc}", param="messages") from exc
 
-    def incremental_decoder(self) -> IncrementalDecoder:
-        return IncrementalDecoder(self)
+    def incremental_decoder(self, *, skip_special_tokens: bool = False) -> IncrementalDecoder:
+        return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDecoder:
@@ -169,16 +172,20 @@ class IncrementalDecoder:
 
     Byte-level vocabularies: append the token's bytes to an incremental UTF-8 decoder. Others (window mode):
     re-decode ``ids[prefix:]`` against ``ids[prefix:read]`` and emit the growth once it does not end in U+FFFD
-    (the usual TGI/vLLM scheme), so a piece is emitted only when it is stable."""
+    (the usual TGI/vLLM scheme), so a piece is emitted only when it is stable. ``skip_special_tokens``: special
+    tokens add no text (vLLM's option; the concatenation then equals ``decode(ids, skip_special_tokens=True)``)."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = False) -> None:
         self._tok = tokenizer
+        self._skip = skip_special_tokens
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._ids: list[int] = []
         self._prefix = 0
         self._read = 0
 
     def push(self, token_id: int) -> str:
+        if self._skip and self._tok.is_special(token_id):
+            return ""
         table = self._tok.token_bytes
         if table is not None:
             return self._utf8.decode(table[token_id] if 0 <= token_id < len(table) else b"")

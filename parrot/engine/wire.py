@@ -125,7 +125,7 @@ def generate_result(d: dict) -> GenerateResult:
 def generate_chunk(d: dict) -> GenerateChunk:
     fr = d.get("finish_reason")
     return GenerateChunk(tuple(d["token_ids"]), d["text"], FinishReason(fr) if fr else None,
-                         tuple(position_logprobs(p) for p in d.get("logprobs") or ()))
+                         tuple(position_logprobs(p) for p in d.get("logprobs") or ()), d.get("cached_prompt_tokens"))
 
 
 def engine_status(d: dict) -> EngineStatus:

@@ -8,6 +8,10 @@ Tools: a template that mentions ``tools`` gets them as its ``tools`` variable (H
 are described in the system prompt, and a template that does not mention ``tool_calls`` sees calls and results
 as text blocks (:mod:`parrot.manager.tool_calls`).
 
+vLLM's controls: ``template_kwargs`` become extra template variables (e.g. Qwen3's ``enable_thinking``);
+``continue_final_message`` renders the conversation without a generation prompt and cuts the text right after the
+last message's content (as transformers does), so the model continues that message instead of starting a new one.
+
 Templates come from model files, i.e. from outside; they run in jinja2's ImmutableSandboxedEnvironment
 (no attribute access to internals, no mutation of inputs) with the helpers HF templates expect:
 ``raise_exception(msg)`` and ``strftime_now(fmt)``. Compiled templates are cached per template string in
@@ -57,16 +61,33 @@ class ChatRenderer:
 
     def render(self, template: str | None, messages: Sequence[Mapping[str, Any]], *, bos_token: str = "",
                eos_token: str = "", add_generation_prompt: bool = True,
-               tools: Sequence[Mapping[str, Any]] = ()) -> str:
+               tools: Sequence[Mapping[str, Any]] = (), continue_final_message: bool = False,
+               template_kwargs: Mapping[str, Any] | None = None) -> str:
         """The prompt text for ``messages`` (and ``tools``: OpenAI dicts ``{"type": "function", "function":
-        {...}}``). Raises ChatTemplateError (400) if the model has no template or the template rejects the
-        conversation (e.g. roles out of order)."""
+        {...}}``; ``template_kwargs``: more template variables; ``continue_final_message``: end inside the last
+        message, see the module). Raises ChatTemplateError (400) if the model has no template or the template
+        rejects the conversation (e.g. roles out of order), or the last message's content is not in the text."""
+        if continue_final_message:
+            text = self._render(template, messages, bos_token=bos_token, eos_token=eos_token,
+                                add_generation_prompt=False, tools=tools, template_kwargs=template_kwargs)
+            final = str(messages[-1].get("content") or "").strip() if messages else ""
+            at = text.rfind(final) if final else -1
+            if at < 0:
+                raise ChatTemplateError("continue_final_message: the last message's content is not in the rendered "
+                                        "prompt (empty, or changed by the template)", param="messages")
+            return text[:at + len(final)]
+        return self._render(template, messages, bos_token=bos_token, eos_token=eos_token,
+                            add_generation_prompt=add_generation_prompt, tools=tools, template_kwargs=template_kwargs)
+
+    def _render(self, template: str | None, messages: Sequence[Mapping[str, Any]], *, bos_token: str,
+                eos_token: str, add_generation_prompt: bool, tools: Sequence[Mapping[str, Any]],
+                template_kwargs: Mapping[str, Any] | None) -> str:
         if not template:
             raise ChatTemplateError("this model has no chat template; use /v1/completions", param="messages")
         msgs = [dict(m) for m in messages]
         if "tool_calls" not in template:
             msgs = polyfill_messages(msgs)
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = dict(template_kwargs or {})
         if tools and _TOOLS_VAR.search(template):
             extra["tools"] = [dict(t) for t in tools]
         elif tools:

@@ -20,8 +20,25 @@ class ChoiceSpec:
 
     n: int = 1
     max_tokens: int | None = None  # per choice; None: up to the model's context window; 0 only with echo
-    # SamplingParams fields except max_tokens; validated when planned (BadSamplingParams)
+    # SamplingParams fields except max_tokens (bad_words_ids: made from bad_words when planned); validated when
+    # planned (BadSamplingParams)
     sampling: Mapping[str, Any] = field(default_factory=dict)
+    bad_words: tuple[str, ...] = ()  # vLLM's bad_words: tokenized when planned into sampling's bad_words_ids
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """What a request asks beyond sampling (vLLM's extras): its id (the response's), its priority (lower first, at
+    the dispatcher and in the engines), its prompt cut to the last ``truncate_prompt_tokens`` tokens, and
+    ``prompt_logprobs`` (each prompt token's logprob and this many alternatives)."""
+
+    request_id: str | None = None
+    priority: int = 0
+    truncate_prompt_tokens: int | None = None  # -1: up to the model's window
+    prompt_logprobs: int | None = None
+    # how the API layer shapes the answer: logprobs tokens as "token_id:N"; usage on every streamed chunk
+    return_tokens_as_token_ids: bool = False
+    continuous_usage_stats: bool = False
 
 
 @dataclass(frozen=True)
@@ -30,6 +47,7 @@ class CompletionSpec:
     prompts: Sequence[str | Sequence[int]]  # each a text or token ids
     choices: ChoiceSpec = field(default_factory=ChoiceSpec)
     echo: bool = False  # each choice's text (and logprobs) starts with its prompt
+    options: RequestOptions = field(default_factory=RequestOptions)
 
 
 @dataclass(frozen=True)
@@ -39,6 +57,12 @@ class ChatSpec:
     messages: Sequence[Mapping[str, Any]]
     choices: ChoiceSpec = field(default_factory=ChoiceSpec)
     tools: ToolPlan | None = None  # shown to the model (rendering); its constraint is in choices.sampling
+    options: RequestOptions = field(default_factory=RequestOptions)
+    # the chat template's controls (vLLM's): extra template variables, whether the prompt ends with the
+    # assistant's opening, or instead continues the last (assistant) message, left open
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 @dataclass(frozen=True)
@@ -60,6 +84,15 @@ class CompletionPlan:
     # False for echo with max_tokens 0: fill only (samplings are validated with max_tokens 1, never run)
     generate: bool = True
     tools: ToolPlan | None = None  # chat with tools: how each choice's text is read as tool calls
+    # the client's request id makes ``id`` (vLLM: "cmpl-<request_id>"), which then need not be unique:
+    # ``run_id`` names this run's engine contexts and dispatch requests
+    run_id: str = ""
+    options: RequestOptions = field(default_factory=RequestOptions)
+
+    @property
+    def key(self) -> str:
+        """Unique per run: the prefix of its engine contexts and dispatch request ids."""
+        return self.run_id or self.id
 
     @property
     def prompt_tokens(self) -> int:
@@ -110,6 +143,9 @@ class ChoiceResult:
 class CompletionResult:
     choices: list[ChoiceResult]  # by choice index
     usage: Usage
+    # plan.prompt_logprobs: per prompt (job index), one entry per prompt token (the first is None: nothing
+    # predicts it); None when not asked
+    prompt_logprobs: list[tuple[PositionLogprobs | None, ...]] | None = None
 
 
 @dataclass(frozen=True)
@@ -121,6 +157,7 @@ class ChoiceDelta:
     text: str
     finish_reason: FinishReason | None
     logprobs: tuple[Position, ...] = ()
+    completion_tokens: int = 0  # tokens the whole request (every choice) has generated so far, this delta's too
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ scheduling rounds that ask the :class:`~parrot.manager.policies.base.Policy` whe
 
 ``acquire(request)`` enqueues a ticket and runs a round; it returns a :class:`Lease` once the policy placed
 the request (a policy with caps may keep it queued: FIFO for the baselines, Algorithm 1 order for ``parrot``).
+Each round hands the policy the queue ordered by ``DispatchRequest.priority`` (lower first), FIFO among equals.
 Rounds run synchronously on the event loop (no await inside, so a round sees one consistent state) whenever
 something changes: an arrival, a release, new labels from perf deduction (:meth:`Dispatcher.kick`), an engine
 dying or coming back. A request whose models no live engine serves fails at once (EngineUnavailable /
@@ -251,7 +252,8 @@ class Dispatcher:
         queued for a live engine), which the cap update reuses instead of building it again."""
         queued: list[QueuedRequest] = []
         tickets: dict[int, _Ticket] = {}
-        for t in self._queue:
+        # the policy sees the queue by priority (lower first), then arrival (stable: FIFO among equals)
+        for t in sorted(self._queue, key=lambda t: t.request.priority):
             try:
                 names = tuple(e.name for e in self.registry.candidates(t.request.models))
             except ParrotError as e:  # no live engine for it any more: fail now, never wait

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from parrot.common.errors import EngineTimeout, EngineUnavailable, ParrotError, UnknownModel
+from parrot.common.errors import EngineTimeout, EngineUnavailable, NotReady, ParrotError, UnknownModel
 from parrot.engine.interface import EngineClient, EngineStatus, ModelInfo
 
 logger = logging.getLogger(__name__)
@@ -215,6 +215,15 @@ class EngineRegistry:
                 seen.setdefault(e.info.name, e.info)
         return list(seen.values())
 
+    async def wait_for_models(self, timeout_s: float, *, poll_s: float = 0.05) -> list[ModelInfo]:
+        """:meth:`model_infos`, waiting up to ``timeout_s`` (event-loop time) for the first engine to answer when
+        none has yet (a server that is starting); an empty list means none came in time."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not (infos := self.model_infos()) and loop.time() < deadline:
+            await asyncio.sleep(poll_s)
+        return infos
+
     def numerics_of(self, model: str) -> dict[str, dict]:
         """Engine name -> how it computes (ModelInfo.numerics) for the engines serving ``model`` that say so."""
         return {name: e.info.numerics for name, e in sorted(self._entries.items())
@@ -223,9 +232,12 @@ class EngineRegistry:
     def candidates(self, models: Sequence[str] = ()) -> list[EngineEntry]:
         """Live engines serving one of ``models`` (any model if empty).
 
-        Raises UnknownModel (404) if no engine serves any of the named models, EngineUnavailable (503) if
-        the matching engines are all dead or pending (or there are none at all).
+        Raises NotReady (503 with Retry-After) while no engine has answered yet (a server starting: the model
+        may well come), UnknownModel (404) if no engine serves any of the named models, EngineUnavailable (503)
+        if the matching engines are all dead or pending.
         """
+        if not any(e.info is not None for e in self._entries.values()):
+            raise NotReady("no engine has registered yet (the server is starting); retry shortly")
         matching = [e for e in self._entries.values()
                     if e.info is not None and (not models or e.info.name in models)]
         if models and not matching and all(e.info is not None for e in self._entries.values()):

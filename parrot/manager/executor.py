@@ -55,7 +55,7 @@ from parrot.engine.interface import EngineClient, FillResult, ModelInfo, OpHint,
 from parrot.manager.dispatcher import Dispatcher, DispatchRequest, Lease
 from parrot.manager.failover import Failover, Loss, OrphanContexts
 from parrot.manager.graph import GeneratedTokens, PlaceholderBinding, RequestNode, RequestStatus, Variable, VarStatus
-from parrot.manager.metrics import ManagerMetrics
+from parrot.manager.metrics import CancelReason, ManagerMetrics
 from parrot.manager.prefix_sharing import Boundary, Fork, PrefixSharing, PromptHead
 from parrot.manager.prefix_store import ContextRef, PrefixHasher, PrefixStore
 from parrot.manager.recent import RecentRequests
@@ -115,10 +115,14 @@ class GraphExecutor:
         self.tools.tool_done(graph, var, self._clock())  # a tool's output: its duration is learned
         return self._materialize(session, var_id, value)
 
-    async def close_session(self, session: SessionState) -> None:
+    async def close_session(self, session: SessionState, reason: CancelReason) -> None:
         """Cancel the session's requests, fail its pending variables (waiting gets wake up with a StepFailed
-        whose cause is ``unknown_session``) and free every engine context it still holds."""
+        whose cause is ``unknown_session``) and free every engine context it still holds. The requests that had
+        not ended are counted as cancelled for ``reason``."""
         session.closed = True
+        unfinished = sum(1 for r in session.graph.requests.values()
+                         if r.status not in (RequestStatus.FINISHED, RequestStatus.FAILED))
+        self.metrics.cancelled("parrot", reason, unfinished)
         tasks = list(session.tasks)
         for t in tasks:
             t.cancel()

@@ -22,7 +22,7 @@ from parrot.manager.engine_registry import EngineRegistry
 from parrot.manager.executor import GraphExecutor
 from parrot.manager.graph import RequestNode, ToolDecl, Variable, VarStatus
 from parrot.manager.journal import Journal, open_journal
-from parrot.manager.metrics import ManagerMetrics
+from parrot.manager.metrics import CancelReason, ManagerMetrics
 from parrot.manager.perf_deduction import PerfDeduction
 from parrot.manager.policies import POLICY_NAMES, CapacityConfig, make_policy
 from parrot.manager.prefix_sharing import PrefixSharing, PrefixStats, SharingConfig
@@ -172,12 +172,12 @@ class Manager:
         for session in sessions:
             self.sessions.pop(session.session_id)
         # all at once: closing one by one waited for each session's engine frees in turn (slow exits under backlog)
-        await asyncio.gather(*(self._close(s) for s in sessions), return_exceptions=True)
+        await asyncio.gather(*(self._close(s, CancelReason.SHUTDOWN) for s in sessions), return_exceptions=True)
         await self.sharing.close()
         await self.dispatcher.close()
 
-    async def _close(self, session: SessionState) -> None:
-        await self.executor.close_session(session)
+    async def _close(self, session: SessionState, reason: CancelReason) -> None:
+        await self.executor.close_session(session, reason)
         self.deduction.forget(session.session_id)
 
     async def _cleanup_loop(self) -> None:
@@ -195,7 +195,7 @@ class Manager:
         for session in expired:
             self.journal.session_deleted(session.session_id)
             logger.info("session %s expired (idle > %.0f s)", session.session_id, session.ttl_s)
-            await self._close(session)
+            await self._close(session, CancelReason.SESSION_EXPIRED)
         return len(expired)
 
     # ---- sessions -------------------------------------------------------------------------------------------
@@ -210,7 +210,7 @@ class Manager:
     async def delete_session(self, session: SessionState) -> None:
         self.sessions.pop(session.session_id)
         self.journal.session_deleted(session.session_id)
-        await self._close(session)
+        await self._close(session, CancelReason.SESSION_DELETED)
 
     # ---- variables ------------------------------------------------------------------------------------------
     def create_variable(self, session: SessionState, name: str | None = None, value: str | None = None, *,
@@ -239,11 +239,14 @@ class Manager:
             self.dispatcher.kick()  # queued requests of this app may be placed differently now
         timeout_s = min(timeout_s, self.config.max_long_poll_s)
         if not var.done and timeout_s > 0:
+            session.waiting_gets += 1
             try:
                 await asyncio.wait_for(var.wait(), timeout_s)
             except asyncio.TimeoutError:
                 pass
-            self.sessions.touch(session)
+            finally:  # also when the client went away mid-wait: its producer keeps running for the session
+                session.waiting_gets -= 1
+                self.sessions.touch(session)
         if var.status is VarStatus.FAILED:
             assert var.error is not None
             # a fresh exception per get (the stored one is shared by every waiter)

@@ -4,7 +4,9 @@ One :class:`ManagerMetrics` per manager, with a :class:`~prometheus_client.Colle
 module-global default registry: several apps live in one test process). Two kinds of metrics:
 
 * **observed** at a few points, the only writers: requests by API / status / policy and their latencies (the graph
-  executor for Parrot requests, the completion service for OpenAI ones), placements by reason (the dispatcher);
+  executor for Parrot requests, the completion service for OpenAI ones), placements by reason (the dispatcher),
+  cancellations by reason (whoever cancels: the HTTP edge when a client goes away, the manager when a session is
+  deleted, expires or the server stops -- :class:`CancelReason`);
 * **read at scrape time** from the state the manager already keeps (:class:`_StateCollector`): sessions, the
   manager's queue, what is placed on each engine, engine liveness, each engine's last reported
   :class:`~parrot.engine.interface.EngineStatus` (its queue, running tokens, KV blocks, prefix-cache hit rate,
@@ -25,6 +27,7 @@ latency) or when an OpenAI request was planned. TPOT is per generation: (its las
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 from collections.abc import Iterable
@@ -53,6 +56,15 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300
 # why an engine got a request, the first that applies (see placement_reason)
 PLACEMENT_REASONS = ("only_candidate", "task_group", "prefix", "app", "least_loaded", "other")
 STATUSES = ("finished", "failed", "cancelled")
+
+
+class CancelReason(enum.Enum):
+    """Why work was cancelled before it ended (the ``reason`` label of ``parrot_cancelled_requests_total``)."""
+
+    CLIENT_DISCONNECTED = "client_disconnected"  # an OpenAI-side client went away (streaming or not)
+    SESSION_DELETED = "session_deleted"  # DELETE /sessions/{id}: its pending requests go with it
+    SESSION_EXPIRED = "session_expired"  # idle past its TTL: nobody can read its values any more
+    SHUTDOWN = "shutdown"  # the server stopped with the request still running
 
 
 def placement_reason(q: QueuedRequest, engine: str, cluster: ClusterView) -> str:
@@ -106,6 +118,12 @@ class ManagerMetrics:
         self.placements = Counter("parrot_placements", "requests placed on an engine by the global scheduler, by "
                                   "policy and reason (parrot.manager.metrics.placement_reason)",
                                   ["policy", "reason"], registry=r)
+        self.cancellations = Counter("parrot_cancelled_requests", "requests cancelled before they ended, by API "
+                                     "and reason (parrot.manager.metrics.CancelReason); their engine work is "
+                                     "stopped and their contexts freed", ["api", "reason"], registry=r)
+        for reason in CancelReason:
+            for api in ("completions", "chat", "responses", "parrot"):
+                self.cancellations.labels(api, reason.value)  # every series exists from the start (rate() works)
         self._manager: Manager | None = None
 
     def watch(self, manager: "Manager") -> None:
@@ -132,6 +150,12 @@ class ManagerMetrics:
             logger.exception("placement reason failed")
             reason = "other"
         self.placements.labels(policy, reason).inc()
+
+    def cancelled(self, api: str, reason: CancelReason, count: int = 1) -> None:
+        """``count`` requests of ``api`` were cancelled for ``reason`` (their own status counts them as well)."""
+        if count > 0:
+            self.cancellations.labels(api, reason.value).inc(count)
+            logger.info("cancelled %d %s request(s): %s", count, api, reason.value)
 
     def generated(self, api: str, result: GenerateResult) -> None:
         """One whole generation: its TPOT from the engine's own timing (time after the first token / the rest)."""

@@ -6,6 +6,12 @@ One turn::
     prompt (chat template):  [system: instructions] + conversation(previous) + input
     stored as its conversation:                       conversation(previous) + input + [assistant: output]
 
+Function tools run as chat completions' do (the plan's :class:`ToolPlan`: tools rendered into the prompt, a
+forced call's constraint in the sampling, the output read as calls by :mod:`parrot.manager.responses_output`,
+a one-choice answer ending in calls pausing its context for the tool, LAMPS): an output with calls is stored as
+an assistant message with ``tool_calls``, and the next turn's ``function_call_output`` items are ``tool``
+messages, so the follow-up renders the paused prompt plus the call and its result.
+
 Instructions are per request (as OpenAI does, they are not carried to the next turn). The next turn renders the
 old turns as the chat template rendered them before, so the engine's prefix cache serves them
 (``Usage.cached_tokens``). An entry is visible only to its owner (the tenant whose API key created it): another
@@ -26,8 +32,10 @@ from parrot.common.errors import NotFoundError
 from parrot.common.sampling import FinishReason
 from parrot.manager.completion_types import ChatSpec, ChoiceDelta, ChoiceSpec, CompletionPlan, Usage
 from parrot.manager.completions import CompletionService
+from parrot.manager.responses_output import CallDelta, OutputSplitter, TextDelta, assistant_message, split_output
+from parrot.manager.tool_calls import ToolOutput, ToolPlan
 
-Message = Mapping[str, str]  # {"role", "content"}, as chat templates take them
+Message = Mapping[str, Any]  # {"role", "content"[, "tool_calls", "tool_call_id"]}, as chat templates take them
 
 
 class PreviousResponseNotFound(NotFoundError):
@@ -48,6 +56,7 @@ class ResponseSpec:
     sampling: Mapping[str, Any] = field(default_factory=dict)  # SamplingParams fields (temperature, top_p)
     store: bool = True
     metadata: Mapping[str, str] = field(default_factory=dict)
+    tools: ToolPlan | None = None  # function tools (their forced call's constraint is in ``sampling``)
 
 
 @dataclass(frozen=True)
@@ -64,13 +73,14 @@ class ResponsePlan:
 @dataclass(frozen=True)
 class ResponseResult:
     plan: ResponsePlan
-    text: str
+    text: str  # what the engine wrote
     finish_reason: FinishReason
     usage: Usage
+    output: ToolOutput  # ``text`` read as message content and function calls
 
     @property
     def conversation(self) -> tuple[Message, ...]:
-        return (*self.plan.history, *self.plan.spec.input, {"role": "assistant", "content": self.text})
+        return (*self.plan.history, *self.plan.spec.input, assistant_message(self.output.content, self.output.calls))
 
 
 class ResponseStore:
@@ -139,7 +149,7 @@ class ResponsesService:
             history = previous.conversation
         system = ({"role": "system", "content": spec.instructions},) if spec.instructions else ()
         chat = ChatSpec(spec.model, [*system, *history, *spec.input],
-                        ChoiceSpec(n=1, max_tokens=spec.max_output_tokens, sampling=spec.sampling))
+                        ChoiceSpec(n=1, max_tokens=spec.max_output_tokens, sampling=spec.sampling), tools=spec.tools)
         completion = await self.completions.plan_chat(chat)
         return ResponsePlan(f"resp_{secrets.token_hex(24)}", f"msg_{secrets.token_hex(24)}", int(time.time()),
                             owner, spec, history, completion)
@@ -147,19 +157,24 @@ class ResponsesService:
     async def complete(self, plan: ResponsePlan) -> ResponseResult:
         result = await self.completions.complete(plan.completion)
         choice = result.choices[0]
-        return self._finish(ResponseResult(plan, choice.text, choice.finish_reason, result.usage))
+        output = split_output(plan.completion.tools, choice.text)
+        return self._finish(ResponseResult(plan, choice.text, choice.finish_reason, result.usage, output))
 
-    async def stream(self, plan: ResponsePlan) -> AsyncIterator[ChoiceDelta | ResponseResult]:
-        """The chat stream's deltas, then the finished :class:`ResponseResult` (stored by then)."""
-        text, reason = "", FinishReason.STOP
+    async def stream(self, plan: ResponsePlan) -> AsyncIterator[TextDelta | CallDelta | ResponseResult]:
+        """The message text and call arguments as the chat stream brings them, then the finished
+        :class:`ResponseResult` (stored by then; its calls have the ids the deltas announced)."""
+        splitter, reason = OutputSplitter(plan.completion.tools), FinishReason.STOP
         async with aclosing(self.completions.stream(plan.completion)) as events:
             async for event in events:
                 if isinstance(event, ChoiceDelta):
-                    text += event.text
                     reason = event.finish_reason or reason
-                    yield event
+                    for delta in splitter.push(event.text):
+                        yield delta
                 else:
-                    yield self._finish(ResponseResult(plan, text, reason, event))
+                    rest, output = splitter.finish()
+                    for delta in rest:
+                        yield delta
+                    yield self._finish(ResponseResult(plan, splitter.text, reason, event, output))
 
     def get(self, owner: str, response_id: str) -> ResponseResult:
         result = self.store.get(owner, response_id)

@@ -1,8 +1,11 @@
 """Sessions: one application instance of a tenant, with its DAG, secret token, running tasks and contexts.
 
 Ids and tokens come from :mod:`secrets` (unguessable). A session expires ``ttl_s`` seconds after its last
-access (any authenticated call or a request of it finishing); the manager's cleanup task closes expired
-sessions, which cancels their requests and frees their engine contexts.
+access (any authenticated call or a request of it finishing), never while a GET long-polls one of its values;
+the manager's cleanup task closes expired sessions, which cancels their requests and frees their engine contexts.
+That is how abandoned DAG work ends: a GET whose client disconnects cancels nothing (the value belongs to the
+session, and another GET or a consumer request may still need it); a deleted or expired session cancels all of
+its pending work (``parrot_cancelled_requests_total{api="parrot", reason="session_deleted|session_expired"}``).
 
 The store keeps only a token's SHA-256 for checking it (the clear token is handed to the client once, at
 creation), so a session restored from the journal (:mod:`parrot.manager.restore`) authenticates the same way.
@@ -48,9 +51,12 @@ class SessionState:
     owner: str = "anonymous"  # the tenant that created it: only that tenant finds it (others get 404)
     # the owner's prompt limit (parrot.api.limits): a request whose context before an output is longer fails
     max_prompt_tokens: int | None = None
+    # GETs long-polling a value of this session right now: a client waiting is using it, so it does not expire
+    # under them (it expires ttl_s after the last of them returns)
+    waiting_gets: int = 0
 
     def expired(self, now: float) -> bool:
-        return now - self.last_access > self.ttl_s
+        return self.waiting_gets == 0 and now - self.last_access > self.ttl_s
 
 
 class SessionStore:

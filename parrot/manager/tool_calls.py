@@ -128,10 +128,11 @@ class ToolPlan:
 
 
 def plan_tools(tools: Sequence[Mapping[str, Any]] | None, tool_choice: str | Mapping[str, Any] | None,
-               parallel_tool_calls: bool | None) -> ToolPlan | None:
+               parallel_tool_calls: bool | None, *, name_param: str = "tools[{i}].function.name") -> ToolPlan | None:
     """The request's tools (OpenAI dicts ``{"type": "function", "function": {name, description, parameters}}``)
     and choice, checked: names unique and well formed, a named choice among them, a choice only with tools
-    (400 naming the field otherwise). None when the request has no tools."""
+    (400 naming the field otherwise; a bad name's field is ``name_param`` of the tool's index ``i``: the Responses
+    API's tools are flat). None when the request has no tools."""
     if not tools:
         if tool_choice is not None and tool_choice != "none":
             raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
@@ -142,9 +143,9 @@ def plan_tools(tools: Sequence[Mapping[str, Any]] | None, tool_choice: str | Map
         name = f["name"]
         if not _NAME.match(name):
             raise InvalidRequestError(f"tool name {name!r} must be 1..64 of a-z, A-Z, 0-9, '_', '-', '.'",
-                                      param=f"tools[{i}].function.name")
+                                      param=name_param.format(i=i))
         if any(p.name == name for p in parsed):
-            raise InvalidRequestError(f"two tools are named {name!r}", param=f"tools[{i}].function.name")
+            raise InvalidRequestError(f"two tools are named {name!r}", param=name_param.format(i=i))
         parameters = f.get("parameters")
         parsed.append(Tool(name, f.get("description"), dict(parameters) if parameters else dict(_EMPTY_PARAMETERS)))
     choice, name = ToolChoice.AUTO, None

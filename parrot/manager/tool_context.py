@@ -10,7 +10,7 @@ handed over while a tool runs, and how the follow-up prompt continues it token f
            -> the engine's prefix match resumes S1's KV
 
 The graph executor (:mod:`parrot.manager.executor`) calls :class:`DagTools`; the OpenAI completion service
-(:mod:`parrot.manager.completions`) calls :func:`pause_context` for a chat answer that ends in tool calls and
+(:mod:`parrot.manager.completion_run`) calls :func:`pause_context` for a chat answer that ends in tool calls and
 keeps it in :class:`PausedChats`. A chat follow-up re-renders the history, so its prompt continues the paused
 prompt but usually not the generated call (a forced call's arguments come back wrapped, JSON re-dumped)::
 

@@ -45,7 +45,8 @@ class WordTokenizer:
     def decode(self, ids: list[int] | tuple[int, ...]) -> str:
         return " ".join(self._words[i] for i in ids if i in self._words and i not in (BOS, EOS))
 
-    def incremental_decoder(self) -> "WordDecoder":
+    def incremental_decoder(self, *, skip_special_tokens: bool = False) -> "WordDecoder":
+        """``skip_special_tokens``: BOS / EOS never add text here, so there is nothing more to skip."""
         return WordDecoder(self._words)
 
 

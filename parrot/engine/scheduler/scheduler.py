@@ -8,8 +8,8 @@ the model) and ``max_num_seqs`` (running ops):
 (``chunked_prefill=False`` instead gives vLLM's scheduler before chunked prefill, for the simulator's 2023 baselines:
 while prompts wait and fit, an iteration is whole prompts only and the decodes wait; :meth:`Scheduler._prefill_step`.)
 
-Order of service: running ops first (decodes before prefill chunks, each group by arrival), then admission
-of waiting ops in the local policy's order (:mod:`parrot.engine.scheduler.local_policy`: FCFS, or Preble's
+Order of service: running ops first (decodes before prefill chunks, each group by :func:`service_key`), then
+admission of waiting ops in the local policy's order (:mod:`parrot.engine.scheduler.local_policy`: FCFS, or Preble's
 priority groups by cached-token ratio). Admission also respects ``token_cap`` (the global scheduler's placement hint,
 see ``EngineClient.set_token_cap``): while anything runs, a waiting op is admitted only if the running ops'
 contexts plus its own stay within the cap. KV blocks are allocated for exactly the tokens scheduled. When the pool is
@@ -107,7 +107,7 @@ class Scheduler:
         self.mean_output_tokens: float = DEFAULT_OUTPUT_TOKENS  # the core keeps it current (finished generates)
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
-        self.waiting: list[Op] = []  # kept sorted by (arrival, seq_no)
+        self.waiting: list[Op] = []  # kept sorted by service_key: (priority, arrival, seq_no)
         self.running: list[Op] = []
         self.idle_contexts: dict[str, Context] = {}  # contexts holding KV with no op (eviction candidates)
         self.num_preemptions = 0
@@ -122,7 +122,7 @@ class Scheduler:
                 and self.tool_policy is not None and self.tool_policy.handling == "predicted":
             op.handling = self._predict_handling(op)
         self.waiting.append(op)
-        self.waiting.sort(key=lambda o: o.sort_key)
+        self.waiting.sort(key=service_key)
 
     def remove(self, op: Op) -> None:
         """Take a finished/aborted op out of the queues (its context stays; see :meth:`park`)."""
@@ -175,7 +175,7 @@ class Scheduler:
         self.num_preemptions += 1
         victim.set_status(OpStatus.WAITING)
         self.waiting.append(victim)
-        self.waiting.sort(key=lambda o: o.sort_key)
+        self.waiting.sort(key=service_key)
 
     # ---- planning ------------------------------------------------------------------------------------------
     def schedule(self) -> BatchPlan:
@@ -188,7 +188,7 @@ class Scheduler:
 
         decodes = [o for o in self.running if o.ctx.num_uncomputed <= 1]
         prefills = [o for o in self.running if o.ctx.num_uncomputed > 1]
-        for op in sorted(decodes, key=lambda o: o.sort_key) + sorted(prefills, key=lambda o: o.sort_key):
+        for op in sorted(decodes, key=service_key) + sorted(prefills, key=service_key):
             if op not in self.running:  # preempted earlier in this loop
                 continue
             chunk = self._plan_op(op, budget, may_preempt=True, preempted=preempted)
@@ -291,11 +291,12 @@ class Scheduler:
                 continue
             if not may_preempt:
                 return None
-            # Preempt the youngest running op; older work is never preempted for younger work, so if ``op``
-            # itself is the youngest it gives up its own KV and waits.
+            # Preempt the youngest running op of the lowest priority; older (or more urgent) work is never
+            # preempted for younger work, so if ``op`` itself is the last in service order it gives up its own KV
+            # and waits.
             others = [o for o in self.running if o is not op]
-            youngest = max(others, key=lambda o: o.sort_key, default=None)
-            if youngest is None or youngest.sort_key < op.sort_key:
+            youngest = max(others, key=service_key, default=None)
+            if youngest is None or service_key(youngest) < service_key(op):
                 if op in self.running:
                     self._preempt(op)
                     preempted.append(op)
@@ -416,6 +417,13 @@ class Scheduler:
             self.kv.free(p.ctx)
             p.handling = Handling.DISCARD
         self.pauses.num_demoted += 1
+
+
+def service_key(op: Op) -> tuple[int, float, int]:
+    """The order of service: the request's priority (``OpHint.priority``, vLLM's: lower first; 0 without a hint),
+    then FCFS (``Op.sort_key``). Waiting ops are kept in this order, running ops are planned in it, and the last in
+    it is preempted first. With every priority 0 it is plain FCFS; LAMPS' ranking replaces it for admission."""
+    return (op.hint.priority if op.hint is not None else 0, *op.sort_key)
 
 
 def _started(op: Op) -> bool:

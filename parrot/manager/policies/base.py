@@ -54,6 +54,7 @@ class DispatchRequest:
     prefix_hashes: tuple[str, ...] = ()  # PrefixHash at each known boundary, in prompt order (chained)
     # the prompt's token ids when known (OpenAI completions): what Preble's E2 matches in its radix tree
     prompt_token_ids: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
+    priority: int = 0  # vLLM's request priority (OpenAI completions): lower is queued ahead, ties by arrival
 
     @property
     def tokens(self) -> int:
