@@ -195,7 +195,7 @@ def _cmd_profile(ns: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``parrot`` argument parser (every subcommand; flags from the settings objects, e.g. ``parrot serve
-    --tool-policy lamps|lamps-fcfs|infercept|discard|preserve`` from EngineSettings.tool_policy, handed to the builtin engine
+    --engine-policy lamps`` from EngineSettings.engine_policy, handed to the builtin engine
     in the server and, re-serialized, to each ``parrot engine`` child)."""
     from parrot.api.settings import ServerSettings
     from parrot.engine.server import EngineServerSettings

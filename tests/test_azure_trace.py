@@ -2,7 +2,7 @@
 
 import pytest
 
-from parrot.sim.azure_trace import TraceRow, azure_mixed, load_trace
+from parrot.workloads.azure_trace import TraceRow, azure_mixed, load_trace
 
 
 def test_the_excerpt_is_the_documented_window():

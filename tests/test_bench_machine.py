@@ -40,7 +40,7 @@ def test_describe_machine_has_conditions():
 
 
 def test_report_table_ratio_and_plot(tmp_path):
-    from parrot.bench import report
+    from parrot.common import report
 
     assert report.ratio(6.0, 3.0) == 2.0 and report.ratio(1.0, None) is None and report.ratio(1.0, 0) is None
     text = report.format_table(["system", "tok/s"], [["a", 1234.5], ["bb", None]], title="T")

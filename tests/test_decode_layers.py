@@ -18,7 +18,8 @@ from parrot.engine.layers.attention import DecodeGroup, PagedAttention, PrefillM
 from parrot.engine.layers.linear import MatmulKernels
 from parrot.engine.layers.packed import vnni_kernel
 from parrot.engine.layers.quant import ActNumerics, quant_kernel
-from parrot.engine.models.llama import FUSED_OP_NAMES, build_random_model
+from parrot.engine.models.assembly import build_random_model
+from parrot.engine.models.decoder import FUSED_OP_NAMES
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -11,7 +11,7 @@ import random
 from parrot.manager.policies import E2Config, E2Policy
 from parrot.sim.cluster import ClusterConfig, SimCluster
 from parrot.sim.vloop import run_virtual
-from parrot.sim.workloads import synth_text
+from parrot.workloads.synth import synth_text
 
 
 def _requests(n: int = 400, rate0: float = 5.0, rate1: float = 60.0) -> list[tuple[float, str]]:

@@ -13,7 +13,7 @@ from parrot.common.errors import ContextExists, ContextLengthExceeded, EngineErr
 from parrot.common.sampling import FinishReason, SamplingParams
 from parrot.engine.builder import build_engine
 from parrot.engine.config import ModelConfig
-from parrot.engine.models.llama import build_random_model
+from parrot.engine.models.assembly import build_random_model
 from parrot.engine.settings import EngineSettings
 
 # untied head: a random tied head just echoes the last input token

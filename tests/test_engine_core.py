@@ -21,7 +21,7 @@ from parrot.sim.engine import SimEngine
 from parrot.sim.runner import SimRunner
 from parrot.sim.tokenizer import EOS, WordTokenizer
 
-COST = CostModel(name="t", base_s=0.0, prefill_token_s=0.0, prefill_attn_s=0.0, decode_seq_s=0.0, decode_ctx_s=0.0,
+COST = CostModel(name="t", base_s=0.0, prefill_token_s=0.0, prefill_attn_s=0.0, decode_row_s=0.0, decode_ctx_s=0.0,
                  swap_block_s=0.0, kv_cache_tokens=1024, block_size=16, max_batch_tokens=64, max_num_seqs=8)
 
 

@@ -21,7 +21,7 @@ from parrot.common.sampling import FinishReason, SamplingParams
 from parrot.engine.builder import build_engine
 from parrot.engine.http_client import HTTPEngineClient
 from parrot.engine.local_client import LocalEngineClient
-from parrot.engine.models.llama import build_random_model
+from parrot.engine.models.assembly import build_random_model
 from parrot.engine.server import EngineServerSettings, create_engine_app
 from parrot.engine.settings import EngineSettings
 from parrot.frontend.local import LocalServer

@@ -491,9 +491,9 @@ def test_local_server_thread_serves_and_stops():
         httpx.get(server.url + "/api/v1/sessions", timeout=2)
 
 
-# ---- bench drivers (parrot.bench.apps) ---------------------------------------------------------------------------
+# ---- apps (parrot.workloads.apps) and their drivers (parrot.bench.apps) ----------------------------------------------
 def test_bench_apps_as_data():
-    from parrot.bench.apps import FromStep, chain_summary, map_reduce_summary, split_words
+    from parrot.workloads.apps import FromStep, chain_summary, map_reduce_summary, split_words
 
     chunks = split_words("w " * 100, 4, 5)
     assert chunks == ["w w w w w"] * 4
@@ -508,8 +508,9 @@ def test_bench_apps_as_data():
 
 
 def test_bench_drivers_charge_latency_as_documented(session, fake):
-    from parrot.bench.apps import map_reduce_summary, run_baseline, run_parrot
-    from parrot.bench.baseline_client import BaselineClient, EmulatedLatency
+    from parrot.bench.apps import run_baseline, run_parrot
+    from parrot.workloads.apps import map_reduce_summary
+    from parrot.workloads.baseline_client import BaselineClient, EmulatedLatency
 
     app = map_reduce_summary(["alpha", "beta", "gamma"], 5)
     fake.auto = True
@@ -632,8 +633,9 @@ def test_real_native_function_and_aget(real):
 
 
 def test_real_bench_drivers(real):
-    from parrot.bench.apps import chain_summary, run_baseline, run_parrot
-    from parrot.bench.baseline_client import BaselineClient, EmulatedLatency
+    from parrot.bench.apps import run_baseline, run_parrot
+    from parrot.workloads.apps import chain_summary
+    from parrot.workloads.baseline_client import BaselineClient, EmulatedLatency
 
     s, _ = real
     app = chain_summary(["one two", "three four", "five six"], 8, tag="[t] ")

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from parrot.engine.config import ModelConfig
-from parrot.engine.models.llama import build_random_model
+from parrot.engine.models.assembly import build_random_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

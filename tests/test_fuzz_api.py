@@ -19,7 +19,7 @@ from parrot.api.app import create_app
 from parrot.api.settings import ServerSettings
 from parrot.engine.builder import build_engine
 from parrot.engine.local_client import LocalEngineClient
-from parrot.engine.models.llama import build_random_model
+from parrot.engine.models.assembly import build_random_model
 from parrot.engine.server import create_engine_app
 from parrot.engine.settings import EngineSettings
 from fakes import FakeEngine

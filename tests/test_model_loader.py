@@ -21,7 +21,7 @@ from parrot.engine.layers.weight import DenseWeight
 from parrot.engine.loader import to_interleaved
 from parrot.engine.model_files import default_model_path, resolve_model_path
 from parrot.engine.models import build_random_model, load_model
-from parrot.engine.models.llama import assemble_model, random_weights
+from parrot.engine.models.assembly import assemble_model, random_weights
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -23,7 +23,8 @@ from parrot.engine.layers.weight import FewRowsWeight
 from parrot.engine.loader import iter_weights
 from parrot.engine.numerics import make_plan
 from parrot.engine.models import build_random_model, load_model
-from parrot.engine.models.llama import LlamaForCausalLM, assemble_model
+from parrot.engine.models.assembly import assemble_model
+from parrot.engine.models.decoder import CausalLM
 from parrot.engine.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -45,7 +46,7 @@ def causal_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.
     return out.transpose(0, 1).reshape(q.shape[0], -1)
 
 
-def our_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
+def our_logits(model: CausalLM, ids: list[int]) -> torch.Tensor:
     return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), causal_attention))
 
 
@@ -67,7 +68,7 @@ class CachedAttention:
         return out.transpose(0, 1).reshape(n, -1)
 
 
-def chunked_logits(model: LlamaForCausalLM, ids: list[int], chunk: int, attn: CachedAttention) -> torch.Tensor:
+def chunked_logits(model: CausalLM, ids: list[int], chunk: int, attn: CachedAttention) -> torch.Tensor:
     """Logits of every position, running ``ids`` through ``attn`` in chunks of ``chunk`` tokens."""
     out = []
     for start in range(0, len(ids), chunk):
@@ -77,7 +78,7 @@ def chunked_logits(model: LlamaForCausalLM, ids: list[int], chunk: int, attn: Ca
     return torch.cat(out)
 
 
-def our_greedy(model: LlamaForCausalLM, ids: list[int], n: int, prefill_chunk: int = 512,
+def our_greedy(model: CausalLM, ids: list[int], n: int, prefill_chunk: int = 512,
                forced: list[int] | None = None) -> list[int]:
     """n greedy tokens: (chunked) prefill, then one-token decode steps against the cache. With ``forced``
     (teacher forcing), step i feeds forced[i-1] instead of the model's own choice, so each returned argmax is
@@ -106,7 +107,7 @@ def canonical_weights(default_model_path: str) -> list[tuple[str, torch.Tensor]]
 
 
 @pytest.fixture(scope="module")
-def ours_fp32(default_model_path: str, canonical_weights) -> LlamaForCausalLM:
+def ours_fp32(default_model_path: str, canonical_weights) -> CausalLM:
     return assemble_model(read_model_config(default_model_path), canonical_weights, dtype=torch.float32)
 
 

@@ -12,7 +12,7 @@ import torch
 from parrot.common.sampling import SamplingParams
 from parrot.engine.builder import build_engine
 from parrot.engine.config import ModelConfig
-from parrot.engine.models.llama import build_random_model
+from parrot.engine.models.assembly import build_random_model
 from parrot.engine.settings import EngineSettings
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

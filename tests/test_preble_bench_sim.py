@@ -7,10 +7,10 @@ import statistics
 
 import pytest
 
-from parrot.bench.preble_bench import main, requests_of, run_one
+from parrot.sim.preble_experiments import main, requests_of, run_one
 from parrot.sim.cluster import ClusterConfig
-from parrot.sim.preble_workloads import workload
 from parrot.sim.tokenizer import WordTokenizer
+from parrot.workloads.preble import workload
 
 
 def _mean_tokens(reqs) -> float:

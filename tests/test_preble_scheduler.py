@@ -8,6 +8,7 @@ from functools import partial
 from parrot.engine.context import Context, Op, OpKind
 from parrot.engine.kv_cache.block_pool import BlockPool
 from parrot.engine.kv_cache.prompt_logprobs import match_limit
+from parrot.engine.scheduler.policies import make_engine_policy
 from parrot.engine.scheduler.scheduler import Scheduler
 
 BS = 4
@@ -57,13 +58,13 @@ def test_cached_tokens_is_what_match_prefix_takes_under_the_match_limit():
 
 
 def test_preble_order_does_not_rank_a_prompt_logprob_fill_as_cached():
-    sched = _scheduler(local_policy="preble")
+    sched = _scheduler(policy=make_engine_policy("preble"))
     cold = _op("cold", list(range(100, 112)), 1.0)  # arrived first, nothing cached
     lp = _op("lp", PROMPT, 2.0, prompt_logprobs=1)  # its prefix is cached, but it may not take it
     sched.add(cold)
     sched.add(lp)
     assert [c.op for c in sched.schedule().chunks] == [cold]  # both group 0: FCFS
-    sched2 = _scheduler(local_policy="preble")
+    sched2 = _scheduler(policy=make_engine_policy("preble"))
     cold2, hot = _op("cold", list(range(100, 112)), 1.0), _op("hot", PROMPT, 2.0)
     sched2.add(cold2)
     sched2.add(hot)

@@ -7,10 +7,10 @@ import dataclasses
 
 import pytest
 
-from parrot.bench.apps import APPS
 from parrot.sim.cluster import ClusterConfig, SimCluster
 from parrot.sim.cost_model import load_model
 from parrot.sim.vloop import run_virtual
+from parrot.workloads.apps import APPS
 
 CONFIG = ClusterConfig(engines=1, cost_model="llama7b-a100", latency_ms=(0.0, 0.0))
 

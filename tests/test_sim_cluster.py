@@ -9,10 +9,10 @@ import pytest
 
 from parrot.manager.graph import VarStatus
 from parrot.manager.submit import PlaceholderSpec, SubmitSpec
-from parrot.sim import workloads as W
 from parrot.sim.cluster import ClusterConfig, SimCluster
 from parrot.sim.experiments import validate
 from parrot.sim.vloop import run_virtual
+from parrot.workloads import synth as W
 
 
 def _run(config, body):

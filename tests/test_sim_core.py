@@ -27,7 +27,7 @@ from parrot.sim.engine import SimEngine
 from parrot.sim.tokenizer import EOS, GEN_TOKEN, OutputLengths, WordTokenizer
 from parrot.sim.vloop import VirtualDeadlock, run_virtual
 
-TINY = CostModel(name="tiny", base_s=0.01, prefill_token_s=0.001, prefill_attn_s=0.0, decode_seq_s=0.001,
+TINY = CostModel(name="tiny", base_s=0.01, prefill_token_s=0.001, prefill_attn_s=0.0, decode_row_s=0.001,
                  decode_ctx_s=0.0, swap_block_s=0.0, kv_cache_tokens=256, block_size=16, max_batch_tokens=64,
                  max_num_seqs=8, max_model_len=512)
 
@@ -138,7 +138,7 @@ def test_cost_model_files_reject_bad_data(tmp_path):
 
 
 def test_fit_recovers_a_linear_model():
-    truth = dict(base_s=0.02, prefill_token_s=0.002, prefill_attn_s=1e-7, decode_seq_s=0.003, decode_ctx_s=1e-5)
+    truth = dict(base_s=0.02, prefill_token_s=0.002, prefill_attn_s=1e-7, decode_row_s=0.003, decode_ctx_s=1e-5)
     samples = []
     for n in (16, 64, 256):
         for c in (0, 512):
@@ -147,7 +147,7 @@ def test_fit_recovers_a_linear_model():
             samples.append(Sample(n, a, 0, 0, t))
     for b in (1, 4, 16):
         for c in (64, 512):
-            t = truth["base_s"] + truth["decode_seq_s"] * b + truth["decode_ctx_s"] * b * c
+            t = truth["base_s"] + truth["decode_row_s"] * b + truth["decode_ctx_s"] * b * c
             samples.append(Sample(0, 0, b, b * c, t))
     got = fit_coefficients(samples)
     for k, v in truth.items():

@@ -7,12 +7,13 @@ import random
 
 import pytest
 
-from parrot.bench.multi_agent import AgentSizes, metagpt_workflow
 from parrot.common.template import TextSegment, parse_template
 from parrot.sim import experiments as X
-from parrot.sim import workloads as W
 from parrot.sim.cluster import ClusterConfig, SimCluster
+from parrot.sim.tokenizer import WordTokenizer
 from parrot.sim.vloop import run_virtual
+from parrot.workloads import synth as W
+from parrot.workloads.multi_agent import AgentSizes, metagpt_workflow
 
 
 def test_workflow_shape_and_shared_context():
@@ -61,7 +62,7 @@ def test_placement_estimate_uses_the_known_prefix_size():
             c.manager.dispatcher.acquire = acquire
             for _ in range(3):
                 await c.run_parrot_call(app.template, {"query": W.synth_text(60, rng)}, 16, output="answer")
-            return W.count_tokens(app.system_prompt + "\nUser: " + W.synth_text(60, random.Random(1)))
+            return len(WordTokenizer().encode(app.system_prompt + "\nUser: " + W.synth_text(60, random.Random(1))))
 
     real = run_virtual(main())
     assert seen[0] > 1.1 * real  # before anything is known: characters / 4

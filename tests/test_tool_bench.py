@@ -1,5 +1,5 @@
 """The tool benchmark's harness: workloads (arrivals, mixes, fresh prompts), statistics, ratios, the report, and a
-quick run on real `parrot serve` processes (tiny random model) once the servers know ``--tool-policy``."""
+quick run on real `parrot serve` processes (tiny random model) once the servers know ``--engine-policy``."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import pytest
 
 from parrot.bench import tool_bench as tb
 from parrot.bench.tool_clients import step_template
-from parrot.bench.tool_workload import (MIXES, TOOLS, RunStats, WorkloadConfig, make_requests, p99,
-                                        poisson_arrivals, ratios)
+from parrot.bench.tool_stats import RunStats, p99, ratios
+from parrot.workloads.arrivals import poisson_arrivals
+from parrot.workloads.tools import CPU_MIXES, CPU_TOOLS, WorkloadConfig, make_requests
 from parrot.common.template import parse_template, placeholders
 
 
@@ -32,7 +33,7 @@ def test_make_requests_deterministic_fresh_and_in_mix():
     # every prompt is fresh: no two requests share their first 20 words after the tag
     heads = {" ".join(r.system.split()[2:30]) for r in a}
     assert len(heads) == len(a)
-    kinds = {k.name: k for k in MIXES["multi"]}
+    kinds = {k.name: k for k in CPU_MIXES["multi"]}
     cfg = WorkloadConfig()
     for r in a:
         k = kinds[r.kind]
@@ -43,7 +44,7 @@ def test_make_requests_deterministic_fresh_and_in_mix():
     assert len({r.kind for r in a}) >= 4
     # durations follow the tool's distribution, scaled
     search = [s.duration_s for r in make_requests("single", 400, 1.0, 0) for s in r.segments if s.tool == "search"]
-    assert statistics.mean(search) == pytest.approx(TOOLS["search"].mean_s, rel=0.1)
+    assert statistics.mean(search) == pytest.approx(CPU_TOOLS["search"].mean_s, rel=0.1)
     scaled = make_requests("single", 50, 1.0, 0, WorkloadConfig(duration_scale=0.1))
     assert max(s.duration_s for r in scaled for s in r.segments) < 1.0
     with pytest.raises(ValueError):
@@ -106,10 +107,10 @@ def test_config_validation_and_report():
 def _tool_policy_available() -> bool:
     from parrot.engine.settings import EngineSettings
 
-    return "tool_policy" in EngineSettings.model_fields
+    return "engine_policy" in EngineSettings.model_fields
 
 
-@pytest.mark.skipif(not _tool_policy_available(), reason="engine settings have no tool_policy yet")
+@pytest.mark.skipif(not _tool_policy_available(), reason="engine settings have no engine_policy yet")
 def test_quick_run_on_real_servers(tmp_path):
     data = tb.main(["--quick", "--out", str(tmp_path)])
     files = sorted(p.name for p in tmp_path.iterdir())

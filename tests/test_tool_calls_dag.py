@@ -327,21 +327,21 @@ def test_tiny_engine_follow_up_reuses_the_paused_context_kv():
         assert r2.num_cached_tokens > (n1 - len(gen.token_ids) + common) // 4 * 4
 
 
-def test_serve_tool_policy_flag_reaches_the_engine_settings_and_engine_processes(monkeypatch):
+def test_serve_engine_policy_flag_reaches_the_engine_settings_and_engine_processes(monkeypatch):
     from parrot.cli import _engine_flags, _settings_from, build_parser
     from parrot.engine.settings import EngineSettings
 
     skip = {"name", "port", "host"}
-    ns = build_parser().parse_args(["serve", "--tool-policy", "infercept", "--random-model", "tiny"])
-    assert _settings_from(EngineSettings, ns, skip=skip).tool_policy == "infercept"  # the in-server engine
+    ns = build_parser().parse_args(["serve", "--engine-policy", "infercept", "--random-model", "tiny"])
+    assert _settings_from(EngineSettings, ns, skip=skip).engine_policy == "infercept"  # the in-server engine
     flags = _engine_flags(ns, skip)  # what `parrot serve --engines N` hands each `parrot engine` child
-    assert flags[flags.index("--tool-policy") + 1] == "infercept"
+    assert flags[flags.index("--engine-policy") + 1] == "infercept"
     ns = build_parser().parse_args(["serve"])
-    assert _settings_from(EngineSettings, ns, skip=skip).tool_policy == "lamps"
-    monkeypatch.setenv("PARROT_ENGINE_TOOL_POLICY", "discard")  # inherited by engine processes
-    assert _settings_from(EngineSettings, ns, skip=skip).tool_policy == "discard"
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--tool-policy", "lifo"])
+    assert _settings_from(EngineSettings, ns, skip=skip).engine_policy == "lamps"
+    monkeypatch.setenv("PARROT_ENGINE_ENGINE_POLICY", "discard")  # inherited by engine processes
+    assert _settings_from(EngineSettings, ns, skip=skip).engine_policy == "discard"
+    with pytest.raises(SystemExit):  # named in the error: "parrot: invalid --engine-policy: ... unknown engine policy"
+        _settings_from(EngineSettings, build_parser().parse_args(["serve", "--engine-policy", "lifo"]), skip=skip)
 
 
 def test_frontend_native_tool_function_end_to_end():

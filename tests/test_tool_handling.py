@@ -2,8 +2,8 @@
 
 import pytest
 
-from parrot.engine.scheduler.tool_handling import (TOOL_POLICIES, FixedCosts, Handling, ToolPolicy, choose_handling,
-                                                   memory_time, tool_policy, waste)
+from parrot.engine.scheduler.policies import EnginePolicyConfig, make_engine_policy
+from parrot.engine.scheduler.tool_handling import FixedCosts, Handling, choose_handling, memory_time, waste
 
 # recompute 1 ms/token, copy 0.4 ms/token + 5 ms per transfer, decode step 20 ms
 COSTS = FixedCosts(fwd_per_token_s=0.001, swap_per_token_s=0.0004, decode_step_s=0.02, swap_base_s=0.005)
@@ -99,22 +99,27 @@ def test_memory_time_post_tool_and_batch_stall():
         mt(tool_s=1.0, handling=Handling.SWAP, post_tool_tokens=-1)
 
 
-def test_tool_policies_table():
-    assert set(TOOL_POLICIES) == {"lamps", "lamps-fcfs", "infercept", "discard", "preserve"}
-    assert (tool_policy("lamps-fcfs").handling, tool_policy("lamps-fcfs").ranking) == ("predicted", "fcfs")
-    lamps = tool_policy("lamps")
-    assert (lamps.handling, lamps.ranking, lamps.starvation_threshold, lamps.refresh_interval) == \
-        ("predicted", "memory_time", 100, 1)
-    assert (tool_policy("infercept").handling, tool_policy("infercept").ranking) == ("dynamic", "fcfs")
-    assert tool_policy("discard").fixed_handling is Handling.DISCARD
-    assert tool_policy("preserve").fixed_handling is Handling.PRESERVE
-    assert lamps.fixed_handling is None
+def test_the_registry_s_tool_call_policies_order_and_handle_as_named():
+    from parrot.engine.scheduler.policies.fcfs import FcfsOrder
+    from parrot.engine.scheduler.policies.lamps import LampsOrder
+    from parrot.engine.scheduler.policies.pauses import (DiscardPauses, LeastWastePauses, PredictedPauses,
+                                                         PreservePauses)
+
+    kinds = {"lamps": (LampsOrder, PredictedPauses), "lamps-fcfs": (FcfsOrder, PredictedPauses),
+             "infercept": (FcfsOrder, LeastWastePauses), "discard": (FcfsOrder, DiscardPauses),
+             "preserve": (FcfsOrder, PreservePauses), "fcfs": (FcfsOrder, PreservePauses)}
+    for name, (order, handling) in kinds.items():
+        pol = make_engine_policy(name)
+        assert pol.name == name and isinstance(pol, order) and isinstance(pol, handling), name
+    lamps = make_engine_policy("lamps")
+    assert (lamps.ranker.starvation_threshold, lamps.ranker.refresh_interval) == (100, 1)
+    lamps = make_engine_policy("lamps", EnginePolicyConfig(starvation_threshold=7, refresh_interval=3))
+    assert (lamps.ranker.starvation_threshold, lamps.ranker.refresh_interval) == (7, 3)
+    assert make_engine_policy("lamps") is not make_engine_policy("lamps")  # per engine: the ranker keeps state
     with pytest.raises(ValueError, match="infercept"):
-        tool_policy("vllm")
-    with pytest.raises(ValueError, match="ranking"):
-        ToolPolicy("x", handling="predicted", ranking="sjf")  # type: ignore[arg-type]
+        make_engine_policy("vllm")
     with pytest.raises(ValueError, match="starvation_threshold"):
-        ToolPolicy("x", handling="predicted", ranking="fcfs", starvation_threshold=0)
+        EnginePolicyConfig(starvation_threshold=0)
 
 
 def test_cached_prompt_tokens_cost_no_prefill_time_in_the_score():

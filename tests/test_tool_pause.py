@@ -19,15 +19,17 @@ from parrot.engine.interface import OpHint, PauseResult, ToolHint
 from parrot.engine.kv_cache.block_pool import BlockPool
 from parrot.engine.kv_cache.host_store import HostStore
 from parrot.engine.scheduler.scheduler import Scheduler
-from parrot.engine.scheduler.tool_handling import FixedCosts, Handling, ToolPolicy, tool_policy
+from parrot.engine.scheduler.policies import EnginePolicy, FcfsSwap, make_engine_policy
+from parrot.engine.scheduler.policies.lamps import LampsPolicy
+from parrot.engine.scheduler.tool_handling import FixedCosts, Handling
 from parrot.sim.cost_model import CostModel
 from parrot.sim.runner import SimRunner
 from parrot.sim.tokenizer import WordTokenizer
 
 BS = 4
-COST = CostModel(name="t", base_s=0.0, prefill_token_s=0.0, prefill_attn_s=0.0, decode_seq_s=0.0, decode_ctx_s=0.0,
+COST = CostModel(name="t", base_s=0.0, prefill_token_s=0.0, prefill_attn_s=0.0, decode_row_s=0.0, decode_ctx_s=0.0,
                  swap_block_s=0.0, kv_cache_tokens=1024, block_size=BS, max_batch_tokens=64, max_num_seqs=8)
-SWAP = ToolPolicy("swap", handling="swap", ranking="fcfs")
+SWAP = FcfsSwap("swap")  # FCFS, every pause swapped (stateless: shared by the tests)
 PROMPT = list(range(100, 120))  # 20 tokens = 5 blocks
 GEN = SamplingParams(max_tokens=6, ignore_eos=True)  # -> 26 tokens, 25 computed: 6 full blocks + a partial one
 SEARCH = ToolHint("search", 1.0)
@@ -36,11 +38,11 @@ SEARCH = ToolHint("search", 1.0)
 class SyncEngine(EngineCore):
     """Runs commands at once; steps when the test says so; the clock is ``now``."""
 
-    def __init__(self, policy: ToolPolicy | None, *, num_blocks: int = 64, host_slots: int = 64,
+    def __init__(self, policy: EnginePolicy | None, *, num_blocks: int = 64, host_slots: int = 64,
                  max_num_seqs: int = 8, ttl_s: float | None = None) -> None:
         pool = BlockPool(num_blocks, BS)
         self.now = 0.0
-        sch = Scheduler(pool, max_num_seqs, 64, tool_policy=policy, host=HostStore(host_slots) if host_slots else None)
+        sch = Scheduler(pool, max_num_seqs, 64, policy=policy, host=HostStore(host_slots) if host_slots else None)
         super().__init__(name="core", model_name="m", runner=SimRunner(COST, random.Random(0)), pool=pool,
                          scheduler=sch, tokenizer=WordTokenizer(), max_model_len=512, clock=lambda: self.now,
                          cached_status=False, tool_pause_ttl_s=ttl_s)
@@ -72,14 +74,14 @@ def s1(eng: SyncEngine, ctx: str = "s1", prompt: list[int] = PROMPT, hint: OpHin
 
 
 def test_preserve_keeps_the_blocks_and_discard_frees_them():
-    eng = SyncEngine(tool_policy("preserve"))
+    eng = SyncEngine(make_engine_policy("preserve"))
     s1(eng)
     used = eng.pool.num_used
     assert used == 7
     r = eng.call(eng.pause_context("s1", SEARCH))
     assert r == PauseResult("s1", "preserve", 26, 7)
     assert eng.pool.num_used == used and "s1" not in eng.scheduler.idle_contexts
-    eng2 = SyncEngine(tool_policy("discard"))
+    eng2 = SyncEngine(make_engine_policy("discard"))
     s1(eng2)
     r2 = eng2.call(eng2.pause_context("s1", SEARCH))
     assert r2.handling == "discard" and r2.num_blocks == 7
@@ -121,7 +123,7 @@ def test_resume_by_prefix_swaps_back_in_and_frees_the_paused_context():
 
 
 def test_resume_of_a_preserved_context_by_prefix_match_shares_its_blocks():
-    eng = SyncEngine(tool_policy("preserve"))
+    eng = SyncEngine(make_engine_policy("preserve"))
     toks = s1(eng)
     eng.call(eng.pause_context("s1", SEARCH))
     r = eng.call(eng.fill(toks + [7, 8], "s2"))
@@ -130,7 +132,7 @@ def test_resume_of_a_preserved_context_by_prefix_match_shares_its_blocks():
 
 
 def test_resume_by_fork_and_by_an_op_on_the_paused_context():
-    eng = SyncEngine(tool_policy("preserve"))
+    eng = SyncEngine(make_engine_policy("preserve"))
     s1(eng)
     eng.call(eng.pause_context("s1", SEARCH))
     eng.call(eng.generate(GEN, "child", parent_context_id="s1"))
@@ -142,7 +144,7 @@ def test_resume_by_fork_and_by_an_op_on_the_paused_context():
 
 
 def test_ttl_expiry_frees_the_paused_context():
-    eng = SyncEngine(tool_policy("preserve"))
+    eng = SyncEngine(make_engine_policy("preserve"))
     s1(eng)
     eng.call(eng.pause_context("s1", ToolHint("slow", 10.0)))  # TTL max(30, 4 x 10) = 40 s
     eng.now += 39.0
@@ -158,7 +160,7 @@ def test_ttl_expiry_frees_the_paused_context():
 
 @pytest.mark.parametrize("host_slots, demoted_to", [(64, Handling.SWAP), (0, Handling.DISCARD)])
 def test_preserved_pauses_are_demoted_under_pressure_instead_of_deadlocking(host_slots, demoted_to):
-    eng = SyncEngine(tool_policy("preserve"), num_blocks=16, host_slots=host_slots)
+    eng = SyncEngine(make_engine_policy("preserve"), num_blocks=16, host_slots=host_slots)
     s1(eng, "a")
     eng.call(eng.pause_context("a", SEARCH))
     s1(eng, "b", prompt=list(range(200, 220)))
@@ -172,7 +174,7 @@ def test_preserved_pauses_are_demoted_under_pressure_instead_of_deadlocking(host
 
 
 def test_dynamic_handling_preserves_for_a_short_tool_and_frees_for_a_long_one():
-    eng = SyncEngine(tool_policy("infercept"), host_slots=0)
+    eng = SyncEngine(make_engine_policy("infercept"), host_slots=0)
     eng.scheduler.costs = FixedCosts(fwd_per_token_s=1e-3, swap_per_token_s=1e-3, decode_step_s=0.01)
     s1(eng, "short")
     s1(eng, "long", prompt=list(range(200, 220)))
@@ -181,7 +183,7 @@ def test_dynamic_handling_preserves_for_a_short_tool_and_frees_for_a_long_one():
 
 
 def test_lamps_predicts_the_handling_at_admission_and_uses_it_at_the_pause():
-    eng = SyncEngine(tool_policy("lamps"))
+    eng = SyncEngine(make_engine_policy("lamps"))
     eng.scheduler.costs = FixedCosts(fwd_per_token_s=1e-3, swap_per_token_s=1e-6, decode_step_s=0.01)
     s1(eng, hint=OpHint(6, ToolHint("image", 30.0)))
     r = eng.call(eng.pause_context("s1", ToolHint("image", 0.001)))  # the actual tool says "short": not used
@@ -196,21 +198,21 @@ def _waiting(sch: Scheduler, n_tokens: int, hint: OpHint | None, seq: int) -> Op
 
 
 def test_lamps_ranking_admits_the_lower_memory_time_op_first():
-    sch = Scheduler(BlockPool(256, BS), 1, 64, tool_policy=tool_policy("lamps"), host=HostStore(64))
+    sch = Scheduler(BlockPool(256, BS), 1, 64, policy=make_engine_policy("lamps"), host=HostStore(64))
     sch.costs = FixedCosts(fwd_per_token_s=1e-3, swap_per_token_s=1e-5, decode_step_s=0.01)
     big = _waiting(sch, 40, OpHint(500, ToolHint("search", 30.0)), 1)  # arrived first
     small = _waiting(sch, 40, OpHint(5), 2)
-    assert sch.score(small) < sch.score(big)
+    assert sch.policy.score(small, sch.view) < sch.policy.score(big, sch.view)
     plan = sch.schedule()
     assert [c.op for c in plan.chunks] == [small]
-    fcfs = Scheduler(BlockPool(256, BS), 1, 64, tool_policy=tool_policy("infercept"))
+    fcfs = Scheduler(BlockPool(256, BS), 1, 64, policy=make_engine_policy("infercept"))
     a = _waiting(fcfs, 40, OpHint(500), 1)
     _waiting(fcfs, 40, OpHint(5), 2)
     assert [c.op for c in fcfs.schedule().chunks] == [a]
 
 
 def test_a_fill_is_ranked_as_the_segment_its_hint_describes():
-    sch = Scheduler(BlockPool(256, BS), 1, 64, tool_policy=tool_policy("lamps"), host=HostStore(64))
+    sch = Scheduler(BlockPool(256, BS), 1, 64, policy=make_engine_policy("lamps"), host=HostStore(64))
     sch.costs = FixedCosts(fwd_per_token_s=1e-3, swap_per_token_s=1e-5, decode_step_s=0.01)
 
     def fill(n_tokens: int, hint: OpHint | None, seq: int) -> Op:
@@ -221,20 +223,21 @@ def test_a_fill_is_ranked_as_the_segment_its_hint_describes():
 
     long_answer = fill(8, OpHint(800), 1)  # a short prompt whose request will decode 800 tokens
     short_answer = fill(40, OpHint(4), 2)  # a longer prompt, a 4-token answer: less memory over time
-    assert sch.score(short_answer) < sch.score(long_answer)
+    assert sch.policy.score(short_answer, sch.view) < sch.policy.score(long_answer, sch.view)
     assert [c.op for c in sch.schedule().chunks] == [short_answer]
 
 
 def test_a_started_request_s_generate_goes_before_newly_ranked_requests():
     """LAMPS ranks requests waiting to start; a generate whose fill was computed here is a running request's next
     phase: it is admitted before any newcomer (else its prompt's KV waits, is evicted and recomputed)."""
-    eng = SyncEngine(tool_policy("lamps"), max_num_seqs=1)
+    eng = SyncEngine(make_engine_policy("lamps"), max_num_seqs=1)
     eng.scheduler.costs = FixedCosts(fwd_per_token_s=1e-3, swap_per_token_s=1e-5, decode_step_s=0.01)
     eng.call(eng.fill(PROMPT, "big", hint=OpHint(900)))  # computed: the request has started
     eng.fill(list(range(500, 504)), "small", hint=OpHint(1))  # a newcomer with far less memory over time
     big = eng.generate(SamplingParams(max_tokens=3, ignore_eos=True), "big", hint=OpHint(900))
     waiting = {op.ctx.id: op for op in eng.scheduler.waiting}
-    assert eng.scheduler.score(waiting["small"]) < eng.scheduler.score(waiting["big"])
+    sch = eng.scheduler
+    assert sch.policy.score(waiting["small"], sch.view) < sch.policy.score(waiting["big"], sch.view)
     plan = eng.scheduler.schedule()
     assert [c.op.ctx.id for c in plan.chunks] == ["big"]
     eng.run()
@@ -242,28 +245,27 @@ def test_a_started_request_s_generate_goes_before_newly_ranked_requests():
 
 
 def test_a_starving_op_goes_to_the_head_after_the_threshold():
-    sch = Scheduler(BlockPool(256, BS), 1, 64, tool_policy=ToolPolicy("t", "predicted", "memory_time",
-                                                                      starvation_threshold=2))
+    sch = Scheduler(BlockPool(256, BS), 1, 64, policy=LampsPolicy("t", starvation_threshold=2))
     big = _waiting(sch, 40, OpHint(900), 0)
     for seq in range(1, 4):
         small = _waiting(sch, 8, OpHint(1), seq)
         plan = sch.schedule()
         admitted = plan.chunks[0].op
         if seq < 3:
-            assert admitted is small and sch.ranker.passes(big.seq_no) == seq
+            assert admitted is small and sch.policy.ranker.passes(big.seq_no) == seq
         else:
-            assert admitted is big and sch.ranker.is_starving(big.seq_no)
+            assert admitted is big and sch.policy.ranker.is_starving(big.seq_no)
         sch.remove(admitted)  # it finished
 
 
 # ---- the tiny random model: swapped KV is bit-exact ---------------------------------------------------------------
-def _tiny(policy: ToolPolicy, **kw):
+def _tiny(policy: EnginePolicy, **kw):
     from parrot.engine.builder import build_engine
     from parrot.engine.settings import EngineSettings
 
     eng = build_engine(EngineSettings(random_model="tiny", dtype="float32", weight_quant="none", kv_dtype="float32",
                                       block_size=16, max_model_len=512, attention_kernel="torch", num_threads=1, **kw))
-    eng.scheduler.tool_policy = policy  # before any op: a policy the settings do not name (always swap)
+    eng.scheduler.policy = policy  # before any op: a policy the settings do not name (always swap)
     return eng
 
 
@@ -282,7 +284,7 @@ def _continue_after_pause(eng, evict: bool) -> tuple[tuple[int, ...], tuple[int,
 
 
 def test_swap_round_trip_continues_exactly_as_preserve():
-    pres = _tiny(tool_policy("preserve"))
+    pres = _tiny(make_engine_policy("preserve"))
     swap = _tiny(SWAP, kv_cache_tokens=320)
     try:
         a1, a2, _ = _continue_after_pause(pres, evict=False)
@@ -302,7 +304,7 @@ def test_http_pause_context_round_trip_and_hint_on_the_wire():
     from parrot.engine.server import create_engine_app
     from parrot.frontend.local import LocalServer
 
-    eng = _tiny(tool_policy("preserve"))
+    eng = _tiny(make_engine_policy("preserve"))
     seen: list[OpHint | None] = []
     client = LocalEngineClient(eng)
     inner = client.generate
@@ -361,13 +363,13 @@ def test_sim_engine_swap_costs_virtual_time_and_resumes_by_prefix():
     from parrot.sim.engine import SimEngine
     from parrot.sim.vloop import run_virtual
 
-    cost = CostModel(name="t", base_s=0.01, prefill_token_s=0.0, prefill_attn_s=0.0, decode_seq_s=0.0,
+    cost = CostModel(name="t", base_s=0.01, prefill_token_s=0.0, prefill_attn_s=0.0, decode_row_s=0.0,
                      decode_ctx_s=0.0, swap_block_s=0.0, kv_cache_tokens=64, block_size=BS, max_batch_tokens=64,
                      max_num_seqs=8, swap_bytes_per_s=1e3, kv_bytes_per_token=25)  # 0.1 s per block one way
 
     async def main():
         loop = asyncio.get_running_loop()
-        e = SimEngine("e", cost, tool_policy=SWAP)
+        e = SimEngine("e", cost, engine_policy=SWAP)
         await e.fill(PROMPT, "s1")
         g = await e.generate(GEN, "s1", hint=OpHint(6, SEARCH))
         assert (await e.pause_context("s1", SEARCH)).num_blocks == 6
@@ -387,7 +389,7 @@ def test_an_idle_engine_frees_an_expired_pause_without_further_commands():
 
     from parrot.engine import engine as engine_mod
 
-    eng = _tiny(tool_policy("preserve"), tool_pause_ttl_s=0.2)
+    eng = _tiny(make_engine_policy("preserve"), tool_pause_ttl_s=0.2)
     try:
         eng.fill(list(range(300, 340)), "s1").result(timeout=60)
         eng.pause_context("s1", SEARCH).result(timeout=60)

@@ -5,7 +5,7 @@ import statistics
 import pytest
 
 from parrot.sim.tool_experiments import LAMPS_NO_RANKING, gpu_40gb, run_policy
-from parrot.sim.tool_workloads import KINDS, make_workload, with_prediction_error
+from parrot.workloads.tools import TABLE2_KINDS, make_workload, with_prediction_error
 
 
 def test_workload_is_seeded_and_follows_table2():
@@ -17,9 +17,9 @@ def test_workload_is_seeded_and_follows_table2():
     assert 300 / arrivals[-1] == pytest.approx(2.0, rel=0.15)  # Poisson at the rate
     for r in a:
         assert r.segments[-1].tool is None and all(s.tool is not None for s in r.segments[:-1])
-        assert r.total_tokens <= 3584 + KINDS[r.kind].output_tokens[0] * 2
+        assert r.total_tokens <= 3584 + TABLE2_KINDS[r.kind].output_tokens[0] * 2
         assert 1 <= r.num_calls <= 12
-    durations = {k: [s.tool.duration_s for r in a if r.kind == k for s in r.segments if s.tool] for k in KINDS
+    durations = {k: [s.tool.duration_s for r in a if r.kind == k for s in r.segments if s.tool] for k in TABLE2_KINDS
                  if k != "toolbench"}
     assert statistics.fmean(durations["math"]) < 1e-3 < statistics.fmean(durations["ve"]) < 0.2
     assert 0.5 < statistics.fmean(durations["qa"]) < 0.9

@@ -1,4 +1,4 @@
-"""Per-tenant limits the routes check (issue 19, item 3).
+"""Per-tenant limits the routes check, so that no one key can take the server's capacity or memory.
 
 Where each limit lives::
 

@@ -1,4 +1,4 @@
-"""Tenants: who an API key belongs to, and what that tenant may do (issue 19, items 2-3).
+"""Tenants: who an API key belongs to, and what that tenant may do.
 
 Keys come from ``--api-key`` (one tenant named ``default``) and/or a keys file (``--api-keys-file``), JSON::
 

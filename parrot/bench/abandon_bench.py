@@ -27,7 +27,7 @@ import time
 import httpx
 
 from parrot.bench.machine import describe_machine
-from parrot.bench.report import format_conditions, format_table, save_json
+from parrot.common.report import format_conditions, format_table, save_json
 
 PROBE_TOKENS = 128
 

@@ -1,4 +1,4 @@
-"""Abuse benchmark: does the manager's memory stay bounded when a key pushes every limit? (issue 19, item 3)
+"""Abuse benchmark: does the manager's memory stay bounded when a key pushes every limit?
 
     python -m parrot.bench.abuse_bench [--rounds 3] [--state-mib 256] [--json PATH]
 
@@ -25,7 +25,7 @@ import time
 import httpx
 
 from parrot.bench.load_bench import rss_mib, start_server
-from parrot.bench.report import format_conditions, format_table, save_json
+from parrot.common.report import format_conditions, format_table, save_json
 
 ATTACKER, PROBE = "sk-attacker-0123456789", "sk-probe-0123456789"
 VALUE = "v" * (1 << 20)  # 1 MiB per stored value

@@ -24,13 +24,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from parrot.bench.apps import APPS, load_document, run_baseline, run_parrot, split_words
-from parrot.bench.baseline_client import BaselineClient, EmulatedLatency
+from parrot.bench.apps import run_baseline, run_parrot
 from parrot.frontend.client import Session, connect
+from parrot.workloads.apps import APPS, DEFAULT_DOCUMENT, load_document, split_words
+from parrot.workloads.baseline_client import BaselineClient, EmulatedLatency
 
 log = logging.getLogger(__name__)
 
-DEFAULT_DOCUMENT = Path(__file__).resolve().parents[2] / "examples" / "data" / "lighthouses.txt"
 BACKGROUND_MAX_S = 3600.0  # background clients stop by themselves after this, whatever happens
 
 

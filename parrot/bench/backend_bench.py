@@ -9,7 +9,7 @@ summary, parrot.bench.apps) runs twice per repeat, order alternating:
 * parrot:   the app's steps submitted at once to `parrot serve --backend <llama-server>` (one emulated round
             trip; the manager runs dependent steps server-side and sends each to llama.cpp's ``/completion`` as
             token ids, forks sharing their prefix in llama.cpp's slot cache);
-* baseline: parrot.bench.baseline_client renders each step on the client and calls llama.cpp's own
+* baseline: parrot.workloads.baseline_client renders each step on the client and calls llama.cpp's own
             ``/v1/completions`` directly, one emulated round trip per call (paper §8.1).
 
 Outputs have fixed lengths (``ignore_eos``, greedy), prompts carry a per-run tag so no run is served from another's
@@ -29,9 +29,9 @@ import httpx
 
 from parrot.backends.llama_server import binary_path, llama_server, running
 from parrot.engine.procs import free_port
-from parrot.bench.app_bench import DEFAULT_DOCUMENT, measure, print_table
-from parrot.bench.apps import APPS
+from parrot.bench.app_bench import measure, print_table
 from parrot.frontend.client import connect
+from parrot.workloads.apps import APPS, DEFAULT_DOCUMENT
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]

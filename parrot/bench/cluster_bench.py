@@ -7,7 +7,7 @@ Fig. 12/14, §8.5 Fig. 19), one server per policy, the same seeded workload for 
 For every policy a fresh ``parrot serve --engines E --policy P`` runs (engines are `parrot engine` processes,
 each with ONE torch thread: this box has 2 cores). Under ``parrot`` the apps use the Parrot frontend (Semantic
 Variables, one emulated round trip per app); under the baselines they use the LangChain-style client of
-:mod:`parrot.bench.baseline_client` (one emulated round trip per call), as in the paper. Scenarios:
+:mod:`parrot.workloads.baseline_client` (one emulated round trip per call), as in the paper. Scenarios:
 
 * ``map_reduce`` (Fig. 14, 1 engine): one map-reduce summary, final fetched for LATENCY.
 * ``chain_bg`` (Fig. 12a, 1 engine): one chain summary while ``background`` clients send unrelated completions.
@@ -35,21 +35,23 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import httpx
 from tqdm import tqdm
 
-from parrot.bench.app_bench import DEFAULT_DOCUMENT, BackgroundLoad
-from parrot.bench.apps import APPS, App, Const, FromStep, load_document, run_baseline, split_words
-from parrot.bench.baseline_client import BaselineClient, EmulatedLatency
+from parrot.bench.app_bench import BackgroundLoad
+from parrot.bench.apps import run_baseline
 from parrot.bench.machine import describe_cpu
-from parrot.bench.report import format_conditions, format_table, ratio, save_bar_panels, save_json
+from parrot.common.report import format_conditions, format_table, ratio, save_bar_panels, save_json
 from parrot.engine.procs import free_port
 from parrot.frontend.client import connect
 from parrot.frontend.function import Output, SemanticFunction
 from parrot.frontend.variable import SemanticVariable
+from parrot.workloads.apps import APPS, DEFAULT_DOCUMENT, App, Const, FromStep, load_document
+from parrot.workloads.baseline_client import BaselineClient, EmulatedLatency
+from parrot.workloads.cluster_mix import QUICK, Workload, chunks
 
 log = logging.getLogger(__name__)
 
@@ -57,31 +59,6 @@ POLICIES = ("parrot", "fifo-latency", "fifo-throughput")
 SCENARIOS = ("map_reduce", "chain_bg", "multi_chain", "mixed")
 STARTUP_TIMEOUT_S = 900.0
 APP_TIMEOUT_S = 3600.0
-
-
-@dataclass(frozen=True)
-class Workload:
-    chunk_words: int = 120
-    map_chunks: int = 8
-    chain_chunks: int = 4
-    output_len: int = 32
-    background: int = 2
-    apps: int = 4  # multi_chain
-    multi_chunks: int = 3
-    mixed_engines: int = 2
-    mixed_apps: int = 2
-    mixed_chunks: int = 6
-    chat_rate: float = 1.0  # requests per second
-    chat_min: int = 10  # chat requests sent at least (the stream goes on until the map-reduce apps are done)
-    chat_words: int = 60
-    chat_out: tuple[int, int] = (16, 48)
-    latency_cap: int = 512
-    throughput_cap: int = 16384
-
-
-QUICK = Workload(chunk_words=40, map_chunks=4, chain_chunks=3, output_len=12, background=1, apps=3, multi_chunks=2,
-                 mixed_apps=1, mixed_chunks=4, chat_rate=1.0, chat_min=4, chat_words=30, chat_out=(8, 16),
-                 latency_cap=160, throughput_cap=16384)
 
 
 # ---- a server per policy ----------------------------------------------------------------------------------------
@@ -204,19 +181,13 @@ async def chat_stream(url: str, w: Workload, seed: int, until: asyncio.Event) ->
 
 
 # ---- scenarios --------------------------------------------------------------------------------------------------
-def _chunks(w: Workload, n: int, offset: int) -> list[str]:
-    words = load_document(DEFAULT_DOCUMENT).split()
-    start = (offset * n * w.chunk_words) % max(1, len(words) - n * w.chunk_words)
-    return split_words(" ".join(words[start:]), n, w.chunk_words)
-
-
 async def scenario_map_reduce(url, policy, w, args, run_id) -> dict:
-    app = APPS["map_reduce"](_chunks(w, w.map_chunks, 0), w.output_len, tag=f"[{run_id}] ")
+    app = APPS["map_reduce"](chunks(w, w.map_chunks, 0), w.output_len, tag=f"[{run_id}] ")
     return {"e2e_s": await run_app(app, policy, url, EmulatedLatency(tuple(args.latency_ms), args.seed))}
 
 
 async def scenario_chain_bg(url, policy, w, args, run_id) -> dict:
-    app = APPS["chain"](_chunks(w, w.chain_chunks, 1), w.output_len, tag=f"[{run_id}] ")
+    app = APPS["chain"](chunks(w, w.chain_chunks, 1), w.output_len, tag=f"[{run_id}] ")
     background = BackgroundLoad(url, None, w.background, load_document(DEFAULT_DOCUMENT)[:1500], w.output_len).start()
     try:
         e2e = await run_app(app, policy, url, EmulatedLatency(tuple(args.latency_ms), args.seed))
@@ -226,7 +197,7 @@ async def scenario_chain_bg(url, policy, w, args, run_id) -> dict:
 
 
 async def scenario_multi_chain(url, policy, w, args, run_id) -> dict:
-    apps = [APPS["chain"](_chunks(w, w.multi_chunks, 2 + k), w.output_len, tag=f"[{run_id} app {k}] ")
+    apps = [APPS["chain"](chunks(w, w.multi_chunks, 2 + k), w.output_len, tag=f"[{run_id} app {k}] ")
             for k in range(w.apps)]
     times = await asyncio.gather(*(run_app(a, policy, url, EmulatedLatency(tuple(args.latency_ms), args.seed + k))
                                    for k, a in enumerate(apps)))
@@ -256,7 +227,7 @@ async def sample_placement(url: str, stop: asyncio.Event, period_s: float = 0.25
 
 
 async def scenario_mixed(url, policy, w, args, run_id) -> dict:
-    apps = [APPS["map_reduce"](_chunks(w, w.mixed_chunks, 10 + k), w.output_len, tag=f"[{run_id} mr {k}] ")
+    apps = [APPS["map_reduce"](chunks(w, w.mixed_chunks, 10 + k), w.output_len, tag=f"[{run_id} mr {k}] ")
             for k in range(w.mixed_apps)]
     done = asyncio.Event()
     t0 = time.perf_counter()

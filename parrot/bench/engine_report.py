@@ -60,7 +60,7 @@ def summarize(data: dict, cfg) -> None:
     "llama.cpp best quant" entry per block when llama.cpp ran) and ``share_of_peak`` (per system: the largest
     batch's useful GFLOP/s as % of the bf16 / fp32 / int8 peaks, the smallest batch's GB/s as % of memory read)
     to ``data``."""
-    from parrot.bench.report import ratio
+    from parrot.common.report import ratio
 
     proto, systems, machine = data["protocol"], data["systems"], data["machine"] or {}
     metrics = {"prefill": None, **{f"decode_b{n}": n for n in proto["batches"]}}
@@ -111,7 +111,7 @@ def summarize(data: dict, cfg) -> None:
 
 def render(data: dict, cfg, out_dir: str) -> str:
     """Tables as text; also writes ``engine.json`` and ``engine.png`` into ``out_dir``."""
-    from parrot.bench.report import fmt_num, fmt_ratio, format_conditions, format_table, save_bar_panels, save_json
+    from parrot.common.report import fmt_num, fmt_ratio, format_conditions, format_table, save_bar_panels, save_json
 
     summarize(data, cfg)
     proto, systems = data["protocol"], data["systems"]

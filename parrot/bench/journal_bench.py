@@ -11,7 +11,7 @@ around each, so it is the journal's own cost, free of the noise of the end-to-en
 per call, and the file size at the end of a round. The manager is driven in-process (no HTTP), which makes the
 journal's share of a call larger than it is behind the HTTP server.
 
-    .venv/bin/python -m parrot.bench.journal_bench --json docs/results/reliability/journal.json
+    .venv/bin/python -m parrot.bench.journal_bench --json bench_out/journal.json
     .venv/bin/python -m parrot.bench.journal_bench --tiny      # the tiny random engine: calls of ~ms
 """
 
@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from parrot.bench.report import format_conditions, format_table, ratio, save_json
+from parrot.common.report import format_conditions, format_table, ratio, save_json
 from parrot.manager import EngineRegistry, Manager, ManagerConfig
 from parrot.manager.journal import Journal, NullJournal, SqliteJournal
 from parrot.manager.submit import PlaceholderSpec, SubmitSpec

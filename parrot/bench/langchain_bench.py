@@ -39,7 +39,7 @@ from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import PromptTemplate
 from langchain_core.runnables import Runnable, RunnableParallel
 
-from parrot.bench.report import format_conditions, format_table, save_json
+from parrot.common.report import format_conditions, format_table, save_json
 from parrot.frontend.client import Session
 from parrot.integrations.langchain import ParrotLLM, compile_chain
 

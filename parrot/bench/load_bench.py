@@ -1,4 +1,4 @@
-"""Load benchmark: many concurrent app sessions and OpenAI clients against one `parrot serve` (issue 19, item 7).
+"""Load benchmark: many concurrent app sessions and OpenAI clients against one `parrot serve`.
 
     python -m parrot.bench.load_bench [--sessions 200] [--calls 10] [--openai 200] [--max-tokens 8]
                                       [--soak-s 0] [--url URL] [--json PATH] [-- serve flags...]
@@ -28,7 +28,7 @@ import time
 
 import httpx
 
-from parrot.bench.report import format_conditions, format_table, save_json
+from parrot.common.report import format_conditions, format_table, save_json
 
 log = logging.getLogger(__name__)
 CALL_BOUND_S = 600.0  # a call not answered within this is "hung"

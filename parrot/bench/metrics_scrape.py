@@ -1,6 +1,6 @@
 """Scrape ``/metrics`` of ``parrot serve --engines N`` and of its engine processes before, during and after a
 workload, parse every scrape with the Prometheus text parser, and report each metric's before / during / after
-values and whether it moved (issue 20: every metric must change under load).
+values and whether it moved (every metric should change under load; one that does not is dead).
 
     python -m parrot.bench.metrics_scrape [--engines 2] [--rounds 2] [--app-bench] [--json out.json]
 

@@ -4,7 +4,7 @@ throughput-centric baselines, with the ablation (task groups, dynamic prefix sha
     python -m parrot.bench.multi_agent_bench [--files 4] [--design 24 --code 16 --review 8] [--repeats 1]
 
 Every variant runs on a fresh ``parrot serve --engines 1`` (one engine process with one torch thread)
-with the same seeded workflow (:mod:`parrot.bench.multi_agent`): Parrot variants drive it through the Parrot
+with the same seeded workflow (:mod:`parrot.workloads.multi_agent`): Parrot variants drive it through the Parrot
 frontend (every step submitted up front, every output fetched for LATENCY: each role's message is shown as it
 comes), the baselines through the LangChain-style client (one completion per step, one emulated round trip per
 call, no structure: no dynamic prefix sharing, no engine prefix cache, the engine's plain paged attention).
@@ -35,16 +35,16 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from parrot.bench.app_bench import DEFAULT_DOCUMENT
-from parrot.bench.apps import Const, load_document
-from parrot.bench.baseline_client import BaselineClient, EmulatedLatency
-from parrot.bench.cluster_bench import Cluster, Workload, _warm_up
+from parrot.bench.cluster_bench import Cluster, _warm_up
 from parrot.bench.machine import describe_cpu
-from parrot.bench.multi_agent import OUT, AgentSizes, Workflow, metagpt_workflow
-from parrot.bench.report import format_conditions, format_table, save_json
+from parrot.common.report import format_conditions, format_table, save_json
 from parrot.common.template import parse_template, render_template
 from parrot.frontend.client import connect
 from parrot.frontend.function import Output, SemanticFunction
+from parrot.workloads.apps import DEFAULT_DOCUMENT, Const, load_document
+from parrot.workloads.baseline_client import BaselineClient, EmulatedLatency
+from parrot.workloads.cluster_mix import Workload
+from parrot.workloads.multi_agent import OUT, AgentSizes, Workflow, metagpt_workflow
 
 log = logging.getLogger(__name__)
 

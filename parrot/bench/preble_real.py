@@ -35,8 +35,8 @@ from typing import IO
 
 import httpx
 
-from parrot.sim.preble_workloads import WORKLOADS, Request, workload
-from parrot.sim.workloads import synth_text
+from parrot.workloads.preble import WORKLOADS, Request, workload
+from parrot.workloads.synth import synth_text
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class RealCluster:
         self.app = create_app(ServerSettings(policy=policy, engine_heartbeat_s=2.0, engine_secret=secret), [])
         self.server = LocalServer(self.app)
         self.url = self.server.url
-        args = ["--num-threads", "1", "--kv-cache-tokens", str(cfg.kv_tokens), "--local-policy", cfg.local_policy]
+        args = ["--num-threads", "1", "--kv-cache-tokens", str(cfg.kv_tokens), "--engine-policy", cfg.local_policy]
         if cfg.model:
             args += ["--model", cfg.model]
         try:
@@ -276,7 +276,7 @@ def run_all(cfg: RealConfig, rates: dict[str, list[float]], out_dir: Path,
 
 
 def report(data: dict, policies: Sequence[str] = POLICIES) -> str:
-    from parrot.bench.report import format_table
+    from parrot.common.report import format_table
 
     by_wl: dict[str, list[dict]] = {}
     for r in data["runs"]:

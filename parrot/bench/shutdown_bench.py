@@ -28,7 +28,7 @@ import httpx
 
 from parrot.bench.load_bench import start_server
 from parrot.bench.machine import describe_machine
-from parrot.bench.report import format_conditions, format_table, save_json
+from parrot.common.report import format_conditions, format_table, save_json
 
 TINY_SERVE = ["--random-model", "tiny", "--dtype", "float32", "--weight-quant", "none", "--num-threads", "1",
               "--kv-cache-tokens", "16384"]

@@ -30,11 +30,11 @@ from pathlib import Path
 
 import httpx
 
-from parrot.bench.app_bench import DEFAULT_DOCUMENT
-from parrot.bench.apps import APPS, Const, _functions, load_document, run_parrot, split_words
-from parrot.bench.baseline_client import EmulatedLatency
+from parrot.bench.apps import _functions, run_parrot
 from parrot.bench.machine import describe_cpu, describe_machine
 from parrot.frontend.variable import LATENCY
+from parrot.workloads.apps import APPS, DEFAULT_DOCUMENT, Const, load_document, split_words
+from parrot.workloads.baseline_client import EmulatedLatency
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import random
 import statistics
 import time
 
-from parrot.bench.report import fmt_ratio, format_conditions, format_table, ratio, save_json
+from parrot.common.report import fmt_ratio, format_conditions, format_table, ratio, save_json
 
 log = logging.getLogger(__name__)
 

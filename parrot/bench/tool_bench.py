@@ -1,4 +1,4 @@
-"""Tool calls on the real engine (issue 17, LAMPS §6): one `parrot serve` per tool policy, agent requests at Poisson
+"""Tool calls on the real engine (LAMPS §6): one `parrot serve` per engine policy, agent requests at Poisson
 rates through the Semantic-Variable frontend and through the OpenAI chat API with tools.
 
     flock /tmp/bench.lock .venv/bin/python -m parrot.bench.tool_bench [--rates 1,2] [--requests 16]
@@ -8,15 +8,15 @@ rates through the Semantic-Variable frontend and through the OpenAI chat API wit
 Variants (each its own server, all started at the beginning and kept for the whole run; one engine thread each, a
 KV pool of ``--kv-tokens`` so that paused requests compete for memory)::
 
-    lamps        --tool-policy lamps       predicted handling + memory-over-time ranking (LAMPS)
-    lamps-fcfs   --tool-policy lamps-fcfs  LAMPS' predicted handling, FCFS order (the ablation; run only where the
-                                           engine offers that policy, else listed as skipped)
-    infercept    --tool-policy infercept   min-waste handling decided at the pause, FCFS (INFERCEPT)
-    discard      --tool-policy discard     free at every tool call, recompute on return, FCFS (vLLM)
-    preserve     --tool-policy preserve    keep every paused context, FCFS
+    lamps        --engine-policy lamps       predicted handling + memory-over-time ranking (LAMPS)
+    lamps-fcfs   --engine-policy lamps-fcfs  LAMPS' predicted handling, FCFS order (the ablation; run only where
+                                             the engine offers that policy, else listed as skipped)
+    infercept    --engine-policy infercept   min-waste handling decided at the pause, FCFS (INFERCEPT)
+    discard      --engine-policy discard     free at every tool call, recompute on return, FCFS (vLLM)
+    preserve     --engine-policy preserve    keep every paused context, FCFS
 
 Runs go (client, rate) by (client, rate), every variant on the same requests (same seed), one server loaded at a
-time, the variant order rotating from run to run. A request (:mod:`parrot.bench.tool_workload`) is a fresh system
+time, the variant order rotating from run to run. A request (:mod:`parrot.workloads.tools`) is a fresh system
 prompt + question, then rounds of think -> tool -> think ..., then an answer, sent through the SV frontend
 (``sv``) or the OpenAI chat API with tools (``openai``), as :mod:`parrot.bench.tool_clients` describes.
 
@@ -44,10 +44,10 @@ from typing import IO
 
 import httpx
 
-from parrot.bench.report import save_json
+from parrot.common.report import save_json
 from parrot.bench.tool_clients import ToolBenchError, run_openai, run_sv
-from parrot.bench.tool_workload import (METRICS, MIXES, TOOLS, AgentRequest, RunStats, WorkloadConfig,
-                                        make_requests, ratios)
+from parrot.bench.tool_stats import METRICS, RunStats, ratios
+from parrot.workloads.tools import CPU_MIXES, CPU_TOOLS, AgentRequest, WorkloadConfig, make_requests
 
 log = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 600.0
@@ -56,7 +56,7 @@ STARTUP_TIMEOUT_S = 600.0
 @dataclass(frozen=True)
 class Variant:
     name: str
-    tool_policy: str
+    engine_policy: str
     env: tuple[tuple[str, str], ...] = ()
     description: str = ""
 
@@ -71,14 +71,11 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
 CLIENTS = ("sv", "openai")
 
 
-def supported_tool_policies() -> tuple[str, ...]:
-    """The ``--tool-policy`` values this checkout's engine accepts."""
-    import typing
+def supported_engine_policies() -> tuple[str, ...]:
+    """The ``--engine-policy`` values this checkout's engine accepts."""
+    from parrot.engine.scheduler.policies import engine_policy_names
 
-    from parrot.engine.settings import EngineSettings
-
-    field_ = EngineSettings.model_fields.get("tool_policy")
-    return typing.get_args(field_.annotation) if field_ is not None else ()
+    return engine_policy_names()
 
 
 @dataclass(frozen=True)
@@ -102,8 +99,8 @@ class BenchConfig:
         unknown = [v for v in self.variants if v not in VARIANTS] + [c for c in self.clients if c not in CLIENTS]
         if unknown:
             raise ValueError(f"unknown variant/client {unknown}; variants {list(VARIANTS)}, clients {list(CLIENTS)}")
-        if self.mix not in MIXES:
-            raise ValueError(f"unknown mix {self.mix!r}; known {sorted(MIXES)}")
+        if self.mix not in CPU_MIXES:
+            raise ValueError(f"unknown mix {self.mix!r}; known {sorted(CPU_MIXES)}")
 
 
 QUICK = BenchConfig(variants=("lamps", "discard"), rates=(8.0,), requests=3, kv_tokens=1024, random_model="tiny",
@@ -129,7 +126,7 @@ class ToolServer:
         env = dict(os.environ, PARROT_ENGINE_NUM_THREADS="1", PARROT_ENGINE_KV_CACHE_TOKENS=str(cfg.kv_tokens),
                    PARROT_LOG_LEVEL="WARNING", **dict(variant.env))
         args = [sys.executable, "-m", "parrot.cli", "serve", "--port", str(self.port),
-                "--tool-policy", variant.tool_policy, "--engine-heartbeat-s", str(cfg.heartbeat_s)]
+                "--engine-policy", variant.engine_policy, "--engine-heartbeat-s", str(cfg.heartbeat_s)]
         if cfg.random_model:
             args += ["--random-model", cfg.random_model, "--dtype", "float32"]
         elif cfg.model:
@@ -166,7 +163,7 @@ class ToolServer:
                 "tokens_computed": int(x.get("tokens_computed", 0)),
                 "prefix_hit_tokens": int(x.get("prefix_cache_hit_tokens", 0)),
                 "kv_blocks_total": int(st.get("kv_blocks_total", 0)), "block_size": int(st.get("block_size", 0)),
-                "tool_policy": x.get("tool_policy"), "local_policy": x.get("local_policy")}
+                "engine_policy": x.get("engine_policy")}
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -203,7 +200,7 @@ def run_one(server: ToolServer, client: str, reqs: Sequence[AgentRequest], cfg: 
     time.sleep(cfg.heartbeat_s + 0.3)  # the engine's status after the run reaches the manager
     after = server.engine_counters()
     return {**stats.summary(), "wall_s": wall, "engine": counter_delta(after, before),
-            "engine_policies": {"tool_policy": after.get("tool_policy"), "local_policy": after.get("local_policy")},
+            "engine_policy": after.get("engine_policy"),
             "latencies_s": [round(x, 4) for x in stats.latencies_s]}
 
 
@@ -214,9 +211,9 @@ def run_all(cfg: BenchConfig, log_path: Path) -> dict:
     logf = open(log_path, "ab")
     servers: dict[str, ToolServer] = {}
     t_start = time.perf_counter()
-    known = supported_tool_policies()
-    skipped = {n: f"the engine has no tool policy {VARIANTS[n].tool_policy!r} (known: {', '.join(known)})"
-               for n in cfg.variants if VARIANTS[n].tool_policy not in known}
+    known = supported_engine_policies()
+    skipped = {n: f"the engine has no engine policy {VARIANTS[n].engine_policy!r} (known: {', '.join(known)})"
+               for n in cfg.variants if VARIANTS[n].engine_policy not in known}
     for n, why in skipped.items():
         log.warning("variant %s skipped: %s", n, why)
     cfg = replace(cfg, variants=tuple(n for n in cfg.variants if n not in skipped))
@@ -332,9 +329,9 @@ def conditions(data: dict, cfg: BenchConfig) -> dict:
                        f"{data['kv_blocks'] * data['block_size']} tokens "
                        f"(PARROT_ENGINE_KV_CACHE_TOKENS={cfg.kv_tokens})",
             "mix": f"{cfg.mix}: " + ", ".join(f"{k.name} ({k.tool}, {k.calls[0]}-{k.calls[1]} calls, "
-                                               f"w {k.weight})" for k in MIXES[cfg.mix]),
+                                               f"w {k.weight})" for k in CPU_MIXES[cfg.mix]),
             "tools (mean, sd) s": ", ".join(f"{t.name} ({t.mean_s * cfg.workload.duration_scale:g}, "
-                                            f"{t.sd_s * cfg.workload.duration_scale:g})" for t in TOOLS.values()),
+                                            f"{t.sd_s * cfg.workload.duration_scale:g})" for t in CPU_TOOLS.values()),
             "sizes": f"prompt {cfg.workload.prompt_words} words, think {cfg.workload.out_tokens} tokens, tool result "
                      f"{cfg.workload.result_words} words, answer {cfg.workload.final_tokens} tokens",
             "rates req/s": ", ".join(f"{r:g}" for r in cfg.rates), "requests per run": cfg.requests,
@@ -370,7 +367,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rates", default=None)
     p.add_argument("--requests", type=int, default=None)
     p.add_argument("--kv-tokens", type=int, default=None)
-    p.add_argument("--mix", default=None, choices=sorted(MIXES))
+    p.add_argument("--mix", default=None, choices=sorted(CPU_MIXES))
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--model", default=None)

@@ -1,5 +1,5 @@
 """The two clients of the tool benchmark (:mod:`parrot.bench.tool_bench`): agent requests
-(:class:`~parrot.bench.tool_workload.AgentRequest`) sent at their arrival times through the Semantic-Variable
+(:class:`~parrot.workloads.tools.AgentRequest`) sent at their arrival times through the Semantic-Variable
 frontend (``sv``) or the OpenAI chat API with tools (``openai``), with per-request latency and TTFT.
 
 - ``sv``: every round a semantic function whose template continues the previous round's prompt and output
@@ -22,7 +22,8 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from parrot.bench.tool_workload import TOOLS, AgentRequest, RunStats
+from parrot.bench.tool_stats import RunStats
+from parrot.workloads.tools import CPU_TOOLS, AgentRequest
 
 
 class ToolBenchError(RuntimeError):
@@ -66,7 +67,7 @@ def sv_request(url: str, r: AgentRequest, t0: float, timeout_s: float, scale: fl
                     max_tokens=seg.out_tokens, ignore_eos=True, stop=[], temperature=0.0))
                 t = think(session=s, **inputs)
                 first = first or t
-                tool = _tool_fn(seg.tool, TOOLS[seg.tool].mean_s * scale)
+                tool = _tool_fn(seg.tool, CPU_TOOLS[seg.tool].mean_s * scale)
                 inputs[f"t{k}"], inputs[f"o{k}"] = t, tool(t, seg.duration_s, seg.result, session=s)
             final = P.SemanticFunction(step_template(r, len(r.segments), True), name="answer", defaults=P.Output(
                 max_tokens=r.final_tokens, ignore_eos=True, stop=[], temperature=0.0))

@@ -21,7 +21,7 @@ from parrot.engine.numerics import KernelSupport, NumericsPlan, choose_path, mak
 from parrot.engine.runner import ModelRunner
 from parrot.engine.sampler import Sampler
 from parrot.engine.scheduler.scheduler import Scheduler
-from parrot.engine.scheduler.tool_handling import tool_policy
+from parrot.engine.scheduler.policies import EnginePolicyConfig, make_engine_policy
 from parrot.engine import shared_prefix_choice, threads
 from parrot.engine.settings import EngineSettings
 
@@ -120,8 +120,8 @@ def _assemble(settings: EngineSettings, model, tokenizer, thread: EngineThread) 
     runner = ModelRunner(model, num_blocks, bs, sampler, shared_prefix_attention=shared,
                          decode_kernel=decode_kernel, prefill_kernel=prefill,
                          kv_dtype=kv_dtype, host_blocks=host_slots)
-    scheduler = Scheduler(pool, settings.max_num_seqs, settings.max_batch_tokens, local_policy=settings.local_policy,
-                          priority_groups=settings.priority_groups, tool_policy=tool_policy(settings.tool_policy),
+    policy = make_engine_policy(settings.engine_policy, EnginePolicyConfig(priority_groups=settings.priority_groups))
+    scheduler = Scheduler(pool, settings.max_num_seqs, settings.max_batch_tokens, policy=policy,
                           host=HostStore(host_slots) if host_slots else None)
     engine = LLMEngine(name=settings.name, model_name=model_name, runner=runner, pool=pool, scheduler=scheduler,
                        tokenizer=tokenizer, max_model_len=max_len, thread=thread, numerics=plan.to_dict())
@@ -129,8 +129,8 @@ def _assemble(settings: EngineSettings, model, tokenizer, thread: EngineThread) 
     if saving is not None:
         engine.finish_before_shutdown(saving)
     log.info("engine %s: model %s, KV pool %d blocks x %d tokens (%s), window %d, host swap space %d blocks, "
-             "tool policy %s", settings.name, model_name, num_blocks, bs, plan.kv_dtype, max_len, host_slots,
-             settings.tool_policy)
+             "engine policy %s", settings.name, model_name, num_blocks, bs, plan.kv_dtype, max_len, host_slots,
+             settings.engine_policy)
     return engine
 
 
@@ -167,7 +167,7 @@ def numerics_plan(settings: EngineSettings, native) -> NumericsPlan:
 def _native_ops(settings: EngineSettings):
     """The native kernels (``torch.ops.parrot_kernels``: the paged-decode op, the fused norm / SwiGLU ops) per
     ``settings.attention_kernel``, or None for the pure-torch path."""
-    from parrot.engine.kernels import KernelBuildError, load_kernels
+    from parrot.engine.kernels import LOAD_ERRORS, kernels_if_built, load_kernels
 
     if settings.attention_kernel == "torch":
         return None
@@ -175,13 +175,12 @@ def _native_ops(settings: EngineSettings):
         if settings.attention_kernel == "native":
             raise ValueError(f"attention_kernel='native' is a CPU kernel; device is {settings.device!r}")
         return None
-    try:
-        ops = load_kernels(build_if_missing=settings.attention_kernel == "native")
-    except (KernelBuildError, OSError, RuntimeError) as e:
-        if settings.attention_kernel == "native":
+    if settings.attention_kernel == "native":  # forced: build if missing, and a failure is the caller's error
+        try:
+            return load_kernels(build_if_missing=True)
+        except LOAD_ERRORS as e:
             raise ValueError(f"attention_kernel='native' is not available: {e}") from e
-        log.warning("native kernels failed to load, using the torch path: %s", e)
-        return None
+    ops = kernels_if_built(instead="using the torch path")
     if ops is None:
         log.info("native kernels not built (python -m parrot.engine.kernels); using the torch path")
     return ops

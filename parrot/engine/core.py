@@ -639,8 +639,7 @@ class EngineCore(abc.ABC):
                    # eviction notices for the global scheduler's prefix tree (Preble §4.3; parrot.manager.policies.e2)
                    "kv_evicted": {"seq": self.pool.num_evicted, "hashes": list(self.pool.evicted_log)},
                    "token_cap": sch.token_cap, "step_stats": self.step_stats.to_wire(),
-                   "tool_policy": sch.tool_policy.name if sch.tool_policy is not None else None,
-                   "local_policy": sch.local_policy,
+                   "engine_policy": sch.policy.name,
                    "tool_pauses": sch.pauses.to_wire(), "host_store": self._host_status(),
                    "capabilities": dict(self._capabilities),
                    **({"numerics": self.numerics} if self.numerics else {})},

@@ -1,7 +1,7 @@
 """Constrained decoding: per-sequence grammar state from llguidance (no torch; the sampler applies the masks).
 
 Why llguidance (measured with ``python -m parrot.bench.structured_bench libs`` on this project's CPUs; see
-docs/results/README.md#structured-output): it computes a mask for a 49k-token vocabulary in tens of
+docs/results/README.md, "Structured output"): it computes a mask for a 49k-token vocabulary in tens of
 microseconds per token without a per-schema precompile step over the vocabulary, its Python wheel has no
 dependencies (xgrammar's pulls torch, transformers and triton), and it fills a batch of masks in one call.
 

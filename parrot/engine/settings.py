@@ -69,22 +69,20 @@ class EngineSettings(BaseSettings):
     enable_prefix_cache: bool = Field(
         True, description="keep KV blocks of finished contexts and reuse them for equal token prefixes (LRU)"
     )
-    local_policy: Literal["fcfs", "preble", "lamps"] = Field(
-        "fcfs", description="wait-queue order for admission: fcfs (the tool policy's ranking applies: lamps ranks "
-        "by memory over time), preble = priority groups by cached-token ratio with proportional quotas (Preble "
-        "4.3), lamps = LAMPS' memory-over-time ranking with starvation prevention whatever the tool policy")
-    tool_policy: Literal["lamps", "lamps-fcfs", "infercept", "discard", "preserve"] = Field(
-        "lamps", description="KV of a context paused for a tool call (EngineClient.pause_context) and admission "
-        "order: lamps = handling predicted from the manager's hints at admission + memory-over-time ranking "
-        "(LAMPS); lamps-fcfs = LAMPS' handling with FCFS admission (its ablation); infercept = least-waste "
-        "handling chosen at the pause + FCFS (INFERCEPT); discard / preserve = always that handling + FCFS")
+    engine_policy: str = Field(
+        "lamps", description="the engine's scheduling policy (parrot.engine.scheduler.policies): admission order of "
+        "waiting ops and the KV of a context paused for a tool call (EngineClient.pause_context). lamps = LAMPS' "
+        "memory-over-time ranking + handling predicted at queueing from the manager's hints; lamps-fcfs = FCFS + "
+        "LAMPS' handling (its ablation); infercept = FCFS + least-waste handling chosen at the pause (INFERCEPT); "
+        "discard / preserve = FCFS + always that handling; fcfs = FCFS + preserve; preble = Preble's priority "
+        "groups by cached-token ratio with proportional quotas (Preble 4.3) + preserve")
     swap_space_bytes: int = Field(
         256 << 20, ge=0, description="host memory for KV blocks swapped out of the pool while a tool runs (0: no "
         "swapping; swap choices become discard)")
     tool_pause_ttl_s: float | None = Field(
         None, gt=0, description="seconds a paused context waits to be resumed before it is freed; None = "
         "max(30 s, 4 x the tool's expected duration)")
-    priority_groups: int = Field(10, ge=1, description="preble local policy: number of priority groups P")
+    priority_groups: int = Field(10, ge=1, description="preble engine policy: number of priority groups P")
     shared_prefix_attention: Literal["auto", "on", "off"] = Field(
         "auto", description="decode rows sharing a prefix attend to it once (merged by LSE): on, off, or auto = "
         "on when one layer of it is measurably faster than the plain path on this machine (timed once at start, "
@@ -110,6 +108,15 @@ class EngineSettings(BaseSettings):
             return "on" if v else "off"
         if isinstance(v, str) and v.strip().lower() in ("true", "1", "yes", "false", "0", "no"):
             return "on" if v.strip().lower() in ("true", "1", "yes") else "off"
+        return v
+
+    @field_validator("engine_policy")
+    @classmethod
+    def _known_policy(cls, v: str) -> str:
+        from parrot.engine.scheduler.policies import engine_policy_names
+
+        if v not in engine_policy_names():
+            raise ValueError(f"unknown engine policy {v!r} (known: {', '.join(engine_policy_names())})")
         return v
 
     @model_validator(mode="after")

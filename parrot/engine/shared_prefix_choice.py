@@ -5,9 +5,9 @@ prefix shared by a group of decode rows once per layer instead of once per row, 
 suffix by log-sum-exp. It saves memory traffic. It pays where decode attention is bound by that traffic (GPUs;
 the AVX2 machine at 32 sharers, ``docs/results/README.md``, prefix sharing). Where attention is bound by
 compute, it only costs: the same FLOPs run in extra calls, and an iteration with a shared group leaves the native
-all-layers decode op (``kernels/decode_layers.cpp``) for the per-layer path. On the avx512_bf16 path with one
-thread per engine (AMD EPYC Zen 5), the native kernel attends 16 rows over a 1,024-token shared prefix faster
-row by row than the shared path does (2026-11-26).
+all-layers decode op (``kernels/decode_layers.cpp``) for the per-layer path. With one thread per engine on a
+CPU whose native kernel is compute-bound (avx512_bf16), attending a group row by row can beat the shared path,
+so which one wins depends on the machine and is measured, not assumed.
 
 So ``auto`` measures, once when the engine is built, one layer of decode attention for a representative group
 (:data:`ROWS` rows sharing :data:`PREFIX` tokens, :data:`SUFFIX` tokens of their own; the model's head shapes,

@@ -5,7 +5,7 @@ Left to the OS scheduler on a machine another process also uses, two of them may
 process has the second one: the spinning thread then burns the time slice its partner needs, and a decode step
 waits milliseconds at each of its hundreds of barriers (measured on 2 cores beside one busy process: the
 16-sequence job kept 31-33 % of its quiet speed). Pinned one per CPU, the OS can only time-share each of them with
-the other process, and the job keeps ~50 % (docs/results: "Contention"); the quiet speed does not change (a
+the other process, and the job keeps ~50 % (docs/results/kernels.md); the quiet speed does not change (a
 passive OpenMP wait policy gains a few points more under contention but costs ~8 % quiet, so it is not used).
 
     bind_threads   "auto"  pin when the engine's thread count equals the CPUs the process may use (it owns them;

@@ -1,5 +1,6 @@
 """Tokenizer (``tokenizers`` library) from GGUF metadata or an HF dir's tokenizer.json, plus chat templates and
-streaming detokenization. No transformers at runtime.
+streaming detokenization. No transformers at runtime: chat templates render with
+:mod:`parrot.common.chat_template` (transformers' semantics), the renderer the manager serves with.
 
 GGUF ``tokenizer.ggml.model``, per family:
 
@@ -29,13 +30,11 @@ import json
 import logging
 import os
 from collections.abc import Sequence
-from datetime import datetime
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
+from parrot.common.chat_template import ChatTemplates
 from parrot.common.errors import TemplateError
 from parrot.engine.config import is_gguf_file
 from parrot.engine.gguf_file import GGUFFile
@@ -98,12 +97,12 @@ class Tokenizer:
         # byte-level vocabularies: id -> exact bytes (None: other vocabularies stream by re-decoding a window)
         self.token_bytes: list[bytes] | None = self._build_token_bytes() if byte_level else None
         self._special_ids: frozenset[int] | None = None
-        self._template: jinja2.Template | None = None
+        self._templates = ChatTemplates(max_cached=1)
         if chat_template is not None:
             try:
-                self._template = _template_env().from_string(chat_template)
-            except jinja2.TemplateError as exc:
-                raise ValueError(f"the model's chat template does not compile: {exc}") from exc
+                self._templates.compile(chat_template)
+            except TemplateError as exc:
+                raise ValueError(exc.message) from exc
 
     def _build_token_bytes(self) -> list[bytes]:
         inverse = {c: b for b, c in bytes_to_unicode().items()}
@@ -149,18 +148,18 @@ class Tokenizer:
                                           if tok.special)
         return token_id in self._special_ids
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra: object) -> str:
-        """Render ``messages`` ([{"role", "content"}, ...]) with the model's template in a jinja2 sandbox.
-        Raises TemplateError (400) when there is no template or the messages do not fit it."""
-        if self._template is None:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            tools: Sequence[dict] | None = None, continue_final_message: bool = False,
+                            **variables: object) -> str:
+        """Render ``messages`` ([{"role", "content"}, ...]) with the model's template as transformers does
+        (:mod:`parrot.common.chat_template`). Raises TemplateError (a ChatTemplateError, 400) when there is no
+        template or the messages do not fit it."""
+        if self.chat_template is None:
             raise TemplateError("this model has no chat template; send a plain prompt instead", param="messages")
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise TemplateError("messages must be a list of objects with 'role' and 'content'", param="messages")
-        try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
-        except jinja2.TemplateError as exc:
-            raise TemplateError(f"chat template failed for these messages: {exc}", param="messages") from exc
+        return self._templates.render(self.chat_template, messages, tools=tools,
+                                      add_generation_prompt=add_generation_prompt,
+                                      continue_final_message=continue_final_message, bos_token=self.bos_token or "",
+                                      eos_token=self.eos_token or "", variables=variables)
 
     def incremental_decoder(self, *, skip_special_tokens: bool = False) -> IncrementalDecoder:
         return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)
@@ -205,24 +204,6 @@ class IncrementalDecoder:
         full_text = self._tok.decode(self._ids[self._prefix:])
         self._prefix = self._read = len(self._ids)
         return full_text[len(prefix_text):]
-
-
-# ---- chat template environment (HF-compatible globals/filters) -------------------------------------------------
-def _raise_exception(message: str) -> None:
-    raise TemplateError(f"chat template rejected the messages: {message}", param="messages")
-
-
-def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _template_env() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
 
 
 # ---- loading ---------------------------------------------------------------------------------------------------

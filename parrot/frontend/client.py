@@ -57,6 +57,12 @@ def _raise_for(resp: httpx.Response) -> None:
     raise error_from_body(resp.status_code, body)
 
 
+def _answer(resp: httpx.Response) -> dict:
+    """The JSON body of a 2xx answer; any other status raises its typed error."""
+    _raise_for(resp)
+    return resp.json()
+
+
 # a call whose connection failed is sent again (see _retryable) for up to RETRY_WINDOW_S: long enough to ride out a
 # server restart (with --state-dir its sessions come back: a get waiting across the restart gets its value)
 RETRY_WINDOW_S = 60.0
@@ -65,20 +71,26 @@ RETRY_MAX_BACKOFF_S = 2.0
 
 
 class _Retry:
-    """The waits between attempts of one call: exponential from RETRY_BACKOFF_S, capped, until ``window_s``."""
+    """The retry policy of one call, as a state machine both drivers (:meth:`Session._request`,
+    :meth:`Session._arequest`) run: they send; after a failed attempt :meth:`after` says how long to wait before
+    sending again (exponential from RETRY_BACKOFF_S, capped at RETRY_MAX_BACKOFF_S, within ``window_s``), or gives
+    up by raising ServerUnreachable (not retryable, or the window is over)."""
 
-    def __init__(self, window_s: float) -> None:
+    def __init__(self, url: str, method: str, path: str, window_s: float) -> None:
+        self._url, self._method, self._path = url, method, path
         self._deadline = time.monotonic() + window_s
         self._wait = RETRY_BACKOFF_S
         self.attempts = 0
 
-    def next_wait(self, method: str, err: httpx.TransportError) -> float | None:
-        """Seconds to wait before sending again, or None: give up (not retryable, or the window is over)."""
+    def after(self, err: httpx.TransportError) -> float:
+        """Seconds to wait before sending again; raises ServerUnreachable (from ``err``) to give up."""
         left = self._deadline - time.monotonic()
-        if not _retryable(method, err) or left <= 0:
-            return None
+        if not _retryable(self._method, err) or left <= 0:
+            raise ServerUnreachable(f"cannot reach Parrot server at {self._url} ({self.attempts} "
+                                    f"retries): {err!r}") from err
         wait, self._wait = min(self._wait, left), min(self._wait * 2, RETRY_MAX_BACKOFF_S)
         self.attempts += 1
+        log.info("%s %s: %r; retry %d in %.1f s", self._method, self._path, err, self.attempts, wait)
         return wait
 
 
@@ -129,23 +141,21 @@ class Session:
         log.info("parrot session %s on %s", self.session_id, self.url)
 
     # ---- plumbing -------------------------------------------------------------------------------------------
-    def _request(self, method: str, path: str, **kwargs: Any) -> dict:
+    def _retry(self, method: str, path: str) -> _Retry:
+        """The retry state of a new call; NotConnected once the session is closed."""
         if self.closed:
             raise NotConnected(f"session {self.session_id} is closed")
-        retry = _Retry(self.retry_window_s)
+        return _Retry(self.url, method, path, self.retry_window_s)
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> dict:
+        retry = self._retry(method, path)
         while True:
             try:
                 resp = self._http.request(method, path, **kwargs)
-                break
             except httpx.TransportError as e:
-                wait = retry.next_wait(method, e)
-                if wait is None:
-                    raise ServerUnreachable(f"cannot reach Parrot server at {self.url} ({retry.attempts} "
-                                            f"retries): {e!r}") from e
-                log.info("%s %s: %r; retry %d in %.1f s", method, path, e, retry.attempts, wait)
-                time.sleep(wait)
-        _raise_for(resp)
-        return resp.json()
+                time.sleep(retry.after(e))
+            else:
+                return _answer(resp)
 
     def _aclient(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
@@ -158,22 +168,14 @@ class Session:
             return self._aclient_of[1]
 
     async def _arequest(self, method: str, path: str, **kwargs: Any) -> dict:
-        if self.closed:
-            raise NotConnected(f"session {self.session_id} is closed")
-        retry = _Retry(self.retry_window_s)
+        retry = self._retry(method, path)
         while True:
             try:
                 resp = await self._aclient().request(method, path, **kwargs)
-                break
             except httpx.TransportError as e:
-                wait = retry.next_wait(method, e)
-                if wait is None:
-                    raise ServerUnreachable(f"cannot reach Parrot server at {self.url} ({retry.attempts} "
-                                            f"retries): {e!r}") from e
-                log.info("%s %s: %r; retry %d in %.1f s", method, path, e, retry.attempts, wait)
-                await asyncio.sleep(wait)
-        _raise_for(resp)
-        return resp.json()
+                await asyncio.sleep(retry.after(e))
+            else:
+                return _answer(resp)
 
     @property
     def _base(self) -> str:

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import enum
 import logging
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 from typing import TYPE_CHECKING
 
 from parrot.common.errors import InvalidRequestError, ParrotError, StepFailed, VariableAlreadySet
@@ -240,22 +241,56 @@ class SemanticVariable:
         """
         criteria, targets = _fetch_params(perf, ttft_ms, tpot_ms, deadline_s)
         deadline = None if timeout is None else time.monotonic() + timeout
-        if self._value is not None:
-            return self._value
-        if self._error is not None:
-            raise self._error
+        fetched = self._fetched()
+        if fetched is not None:
+            return fetched
         if self._native is not None:
             return self._native.result(timeout=timeout)  # raises the native function's own exception
         var_id = self._bind(self._session)
+        polls = self._polls(targets, deadline, timeout)
+        with self._keeping_failure():
+            try:
+                chunk, targets = next(polls)
+                while True:
+                    chunk, targets = polls.send(self._session.poll_variable(var_id, criteria, chunk, targets=targets))
+            except StopIteration as done:
+                return done.value
+
+    async def aget(self, perf: Perf = LATENCY, timeout: float | None = None, *, ttft_ms: float | None = None,
+                   tpot_ms: float | None = None, deadline_s: float | None = None) -> str:
+        """``await`` version of :meth:`get` (uses the session's async HTTP client)."""
+        criteria, targets = _fetch_params(perf, ttft_ms, tpot_ms, deadline_s)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        fetched = self._fetched()
+        if fetched is not None:
+            return fetched
+        if self._native is not None:
+            done, _ = await asyncio.wait([asyncio.wrap_future(self._native)], timeout=timeout)
+            if not done:
+                raise TimeoutError(f"{self!r} not ready after {timeout} s")
+            return done.pop().result()
+        var_id = self._var_id or await asyncio.to_thread(self._bind, self._session)
+        polls = self._polls(targets, deadline, timeout)
+        with self._keeping_failure():
+            try:
+                chunk, targets = next(polls)
+                while True:
+                    chunk, targets = polls.send(
+                        await self._session.apoll_variable(var_id, criteria, chunk, targets=targets))
+            except StopIteration as done:
+                return done.value
+
+    def _polls(self, targets: dict[str, float], deadline: float | None,
+               timeout: float | None) -> Generator[tuple[float, dict[str, float]], str | None, str]:
+        """The long-polls of one get / aget, the policy both drivers share: yields each poll's (seconds, latency
+        targets) and is sent its answer (the value, or None while pending); returns the value and keeps it.
+        Raises TimeoutError once ``deadline`` (``timeout`` after the call) has passed, and StepFailed (via
+        :meth:`_poll_chunk`) when a native ancestor failed."""
         while True:
             chunk = self._poll_chunk()
             if deadline is not None:
                 chunk = min(chunk, max(0.0, deadline - time.monotonic()))
-            try:
-                value = self._session.poll_variable(var_id, criteria, chunk, targets=targets)
-            except StepFailed as e:
-                self._error = e
-                raise
+            value = yield chunk, targets
             targets = {}  # recorded by the first poll (a relative deadline re-sent later would move)
             if value is not None:
                 self._value = value
@@ -263,36 +298,14 @@ class SemanticVariable:
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"{self!r} not ready after {timeout} s")
 
-    async def aget(self, perf: Perf = LATENCY, timeout: float | None = None, *, ttft_ms: float | None = None,
-                   tpot_ms: float | None = None, deadline_s: float | None = None) -> str:
-        """``await`` version of :meth:`get` (uses the session's async HTTP client)."""
-        criteria, targets = _fetch_params(perf, ttft_ms, tpot_ms, deadline_s)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if self._value is not None:
-            return self._value
-        if self._error is not None:
-            raise self._error
-        if self._native is not None:
-            done, _ = await asyncio.wait([asyncio.wrap_future(self._native)], timeout=timeout)
-            if not done:
-                raise TimeoutError(f"{self!r} not ready after {timeout} s")
-            return done.pop().result()
-        var_id = self._var_id or await asyncio.to_thread(self._bind, self._session)
-        while True:
-            chunk = self._poll_chunk()
-            if deadline is not None:
-                chunk = min(chunk, max(0.0, deadline - time.monotonic()))
-            try:
-                value = await self._session.apoll_variable(var_id, criteria, chunk, targets=targets)
-            except StepFailed as e:
-                self._error = e
-                raise
-            targets = {}
-            if value is not None:
-                self._value = value
-                return value
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"{self!r} not ready after {timeout} s")
+    @contextlib.contextmanager
+    def _keeping_failure(self) -> Iterator[None]:
+        """A StepFailed raised inside is kept: later gets and streams raise it without asking the server."""
+        try:
+            yield
+        except StepFailed as e:
+            self._error = e
+            raise
 
     # ---- streaming --------------------------------------------------------------------------------------------
     def stream(self, perf: Perf = LATENCY, *, ttft_ms: float | None = None, tpot_ms: float | None = None,
@@ -322,14 +335,11 @@ class SemanticVariable:
         concurrent.futures.wait(self._native_ancestors())
         self._check_native_ancestors()
         var_id = self._bind(self._session)
-        try:
+        with self._keeping_failure():
             for event in self._session.stream_variable(var_id, {"criteria": criteria, **targets}):
                 piece = self._take(event)
                 if piece is not None:
                     yield piece
-        except StepFailed as e:
-            self._error = e
-            raise
 
     def astream(self, perf: Perf = LATENCY, *, ttft_ms: float | None = None, tpot_ms: float | None = None,
                 deadline_s: float | None = None) -> AsyncIterator[str]:
@@ -354,14 +364,11 @@ class SemanticVariable:
             await asyncio.wait(pending)
         self._check_native_ancestors()
         var_id = self._var_id or await asyncio.to_thread(self._bind, self._session)
-        try:
+        with self._keeping_failure():
             async for event in self._session.astream_variable(var_id, {"criteria": criteria, **targets}):
                 piece = self._take(event)
                 if piece is not None:
                     yield piece
-        except StepFailed as e:
-            self._error = e
-            raise
 
     def _take(self, event: dict) -> str | None:
         """One stream event: a piece's text, or None (``done``: its value is kept for ``get``; a keepalive)."""
@@ -374,12 +381,18 @@ class SemanticVariable:
     def _known_outcome(self) -> str | None:
         """The value if this client already has it (user-set, fetched, a finished native function); raises a
         known failure; None when the server must be asked."""
+        fetched = self._fetched()
+        if fetched is None and self._native is not None and self._native.done():
+            return self._native.result()  # raises the native function's own exception
+        return fetched
+
+    def _fetched(self) -> str | None:
+        """The value if this client holds it (user-set, fetched, pushed by a native function); raises a kept
+        failure; None otherwise."""
         if self._value is not None:
             return self._value
         if self._error is not None:
             raise self._error
-        if self._native is not None and self._native.done():
-            return self._native.result()  # raises the native function's own exception
         return None
 
     def _native_ancestors(self) -> list["concurrent.futures.Future[str]"]:

@@ -1,4 +1,4 @@
-"""The bytes of text the manager holds for sessions, bounded per session and in all (issue 19, item 3).
+"""The bytes of text the manager holds for sessions, bounded per session and in all.
 
 What is counted: every variable value (set by a client or generated) and the text of every submitted prompt,
 as UTF-8 bytes. What a client sends (a value, a prompt) is *reserved* first and refused past either bound with

@@ -1,4 +1,4 @@
-"""The manager's side of a tool call (LAMPS, issue 17): what a DAG generate tells the engine, how a context is
+"""The manager's side of a tool call (LAMPS): what a DAG generate tells the engine, how a context is
 handed over while a tool runs, and how the follow-up prompt continues it token for token. No torch.
 
 ::

@@ -7,6 +7,6 @@
 * :mod:`parrot.sim.runner` -- SimRunner: a plan's synthetic step output and its cost (instead of a forward)
 * :mod:`parrot.sim.tokenizer` -- the synthetic word tokenizer and seeded output lengths
 * :mod:`parrot.sim.cluster` -- SimCluster: the real Manager + N SimEngines, Parrot and baseline drivers
-* :mod:`parrot.sim.workloads`, :mod:`parrot.sim.experiments` -- the paper's experiments (``python -m
-  parrot.sim.experiments``); :mod:`parrot.sim.profile` -- ``parrot profile`` (measures the builtin engine)
+* :mod:`parrot.sim.experiments` -- the paper's experiments (``python -m parrot.sim.experiments``) on the inputs of
+  :mod:`parrot.workloads`; :mod:`parrot.sim.profile` -- ``parrot profile`` (measures the builtin engine)
 """

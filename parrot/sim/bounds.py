@@ -1,5 +1,5 @@
-"""How far the Fig. 18 and Fig. 19 ratios can go on the simulator's cost models, whatever the Parrot policy does
-(issue 22): each bound divides a baseline's *measured* time by a best case for Parrot (a hard floor of the cost
+"""How far the Fig. 18 and Fig. 19 ratios can go on the simulator's cost models, whatever the Parrot policy does:
+each bound divides a baseline's *measured* time by a best case for Parrot (a hard floor of the cost
 model for the chats; for the map-reduce, the best time measured with the cluster to itself).
 
     python -m parrot.sim.experiments bounds [--quick]
@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 
-from parrot.bench.report import format_table
+from parrot.common.report import format_table
 from parrot.sim import experiments as X
 from parrot.sim.cluster import SimCluster
 from parrot.sim.cost_model import load_model

@@ -26,9 +26,6 @@ import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from parrot.bench.apps import OUT, App, Const, FromStep
-from parrot.bench.multi_agent import OUT as WF_OUT
-from parrot.bench.multi_agent import Workflow
 from parrot.common.template import parse_template, render_template
 from parrot.engine.local_client import LocalEngineClient
 from parrot.manager.completion_types import ChoiceSpec, CompletionSpec
@@ -42,6 +39,9 @@ from parrot.manager.submit import PlaceholderSpec, SubmitSpec
 from parrot.sim.cost_model import CostModel, load_model
 from parrot.sim.engine import SimEngine
 from parrot.sim.tokenizer import OutputLengths
+from parrot.workloads.apps import OUT, App, Const, FromStep
+from parrot.workloads.multi_agent import OUT as WF_OUT
+from parrot.workloads.multi_agent import Workflow
 
 
 GET_POLL_S = 3600.0  # one long-poll of get_variable (capped by ManagerConfig.max_long_poll_s)
@@ -92,7 +92,7 @@ class SimCluster:
                                   output_lengths=OutputLengths(config.output_mean),
                                   enable_prefix_cache=config.engine_prefix_cache,
                                   shared_prefix_attention=shared_prefix_attention,
-                                  local_policy=config.local_policy, chunked_prefill=config.chunked_prefill)
+                                  engine_policy=config.local_policy, chunked_prefill=config.chunked_prefill)
                         for i in range(config.engines)]
         mconf = ManagerConfig(policy=config.policy, latency_cap_tokens=config.latency_cap_tokens,
                               throughput_cap_tokens=config.throughput_cap_tokens or self.cost.kv_cache_tokens,
@@ -268,7 +268,7 @@ class SimCluster:
             return await self.run_baseline_app(app)
         raise ValueError(f"mode must be 'parrot' or 'baseline', got {mode!r}")
 
-    # ---- multi-agent workflows (parrot.bench.multi_agent) -----------------------------------------------------
+    # ---- multi-agent workflows (parrot.workloads.multi_agent) -------------------------------------------------
     async def run_parrot_workflow(self, wf: Workflow, criteria: str = "latency") -> float:
         """Submit every step up front, fetch every step's output with ``criteria`` (each role's message is shown
         to the user as it comes), set the inputs, wait for the final outputs. Virtual end-to-end seconds."""

@@ -6,7 +6,7 @@ duration is linear in four counts of the plan::
     t = base_s                                  fixed per iteration (weights streamed once, launches)
       + prefill_token_s  * P                     P = prefill tokens computed (GEMM FLOPs, 2*params per token)
       + prefill_attn_s   * A                     A = sum over chunks of n * (start + n/2): query x key pairs
-      + decode_seq_s     * D                     D = decode rows (1 token each)
+      + decode_row_s     * D                     D = decode rows (1 token each)
       + decode_ctx_s     * C                     C = context tokens whose K/V the decode rows read
 
 GPU models come from a roofline of published peak numbers times efficiency factors (:func:`roofline_model`);
@@ -22,7 +22,9 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 MODELS_DIR = Path(__file__).resolve().parent / "cost_models"
-COEFFS = ("base_s", "prefill_token_s", "prefill_attn_s", "decode_seq_s", "decode_ctx_s")
+COEFFS = ("base_s", "prefill_token_s", "prefill_attn_s", "decode_row_s", "decode_ctx_s")
+# a file's old name of a field -> its name now (files written by ``parrot profile`` before the rename still load)
+RENAMED_KEYS = {"decode_seq_s": "decode_row_s"}
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,7 @@ class CostModel:
     base_s: float
     prefill_token_s: float
     prefill_attn_s: float
-    decode_seq_s: float
+    decode_row_s: float
     decode_ctx_s: float
     swap_block_s: float  # host<->device copy of one KV block (the engine scheduler preempts by recompute)
     # the engine this model describes (sizes the simulated KV pool and batch budgets)
@@ -65,9 +67,9 @@ class CostModel:
             if not isinstance(getattr(self, c), int) or getattr(self, c) < 1:
                 raise ValueError(f"cost model {self.name!r}: {c} must be an integer >= 1")
 
-    def iteration_s(self, prefill_tokens: int, prefill_attn: float, decode_seqs: int, decode_ctx: int) -> float:
+    def iteration_s(self, prefill_tokens: int, prefill_attn: float, decode_rows: int, decode_ctx: int) -> float:
         return (self.base_s + self.prefill_token_s * prefill_tokens + self.prefill_attn_s * prefill_attn
-                + self.decode_seq_s * decode_seqs + self.decode_ctx_s * decode_ctx)
+                + self.decode_row_s * decode_rows + self.decode_ctx_s * decode_ctx)
 
     def prefill_s(self, new_tokens: int, context_tokens: int = 0) -> float:
         """One iteration prefilling ``new_tokens`` after ``context_tokens`` already-computed ones."""
@@ -80,7 +82,7 @@ class CostModel:
     def tokens_at_tpot(self, tpot_s: float, mean_context: int) -> int:
         """Running tokens at which a decode iteration of sequences of ``mean_context`` tokens takes ``tpot_s``
         (the latency capacity of paper §8.1); 0 if even one sequence is slower."""
-        per_token = self.decode_ctx_s + self.decode_seq_s / max(1, mean_context)
+        per_token = self.decode_ctx_s + self.decode_row_s / max(1, mean_context)
         return max(0, int((tpot_s - self.base_s) / per_token)) if per_token > 0 else self.kv_cache_tokens
 
     @property
@@ -100,6 +102,7 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, data: dict) -> "CostModel":
+        data = {RENAMED_KEYS.get(k, k): v for k, v in data.items()}
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
@@ -218,7 +221,7 @@ def roofline_model(llm: str, gpu: str, tp: int = 1) -> CostModel:
         base_s=weight_bytes / tp / (g.mem_bw * e["weights_bw"]) + ITER_OVERHEAD_S + ar_s,
         prefill_token_s=gemm_token_s,
         prefill_attn_s=4 * m.layers * m.hidden / (tp * g.peak_flops * e["attn"]),
-        decode_seq_s=gemm_token_s,
+        decode_row_s=gemm_token_s,
         decode_ctx_s=kv_tok / tp / (g.mem_bw * e["kv_bw"]),
         swap_block_s=block * kv_tok / (tp * g.pcie_bw),
         kv_cache_tokens=kv_tokens, block_size=block, max_batch_tokens=4096, max_num_seqs=256,
@@ -229,7 +232,7 @@ def roofline_model(llm: str, gpu: str, tp: int = 1) -> CostModel:
                       "per-iteration engine overhead (assumed)" + tp_note,
             "prefill_token_s": f"2*params FLOPs per token / (tp * peak * {e['gemm']})",
             "prefill_attn_s": f"4*layers*hidden FLOPs per query-key pair (QK^T and PV) / (tp * peak * {e['attn']})",
-            "decode_seq_s": "same GEMM cost per decoded token as prefill (linear approximation of the roofline: "
+            "decode_row_s": "same GEMM cost per decoded token as prefill (linear approximation of the roofline: "
                             "sum of memory and compute terms, an upper bound of max())",
             "decode_ctx_s": f"KV bytes per token 2*layers*kv_dim*2 = {kv_tok} / tp / (mem_bw * {e['kv_bw']})",
             "swap_block_s": "block KV bytes / (tp * PCIe bandwidth)",

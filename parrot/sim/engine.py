@@ -28,7 +28,7 @@ from parrot.engine.interface import EngineStatus
 from parrot.engine.kv_cache.block_pool import BlockPool
 from parrot.engine.kv_cache.host_store import HostStore
 from parrot.engine.scheduler.scheduler import Scheduler
-from parrot.engine.scheduler.tool_handling import ToolPolicy, tool_policy as named_tool_policy
+from parrot.engine.scheduler.policies import EnginePolicy, make_engine_policy
 from parrot.sim.cost_model import CostModel
 from parrot.sim.runner import SimRunner
 from parrot.sim.tokenizer import OutputLengths, WordTokenizer
@@ -41,13 +41,14 @@ class SimEngine(EngineCore):
                  output_lengths: OutputLengths = OutputLengths(), vocab_size: int = 32000,
                  enable_prefix_cache: bool = True, shared_prefix_attention: bool = True,
                  clock: Callable[[], float] | None = None, profiled: bool = True,
-                 local_policy: str = "fcfs", tool_policy: str | ToolPolicy | None = None,
+                 engine_policy: str | EnginePolicy = "fcfs",
                  swap_space_blocks: int | None = None, tool_pause_ttl_s: float | None = None,
                  chunked_prefill: bool = True) -> None:
         """Create inside the running (virtual) loop; ``clock`` defaults to that loop's time. ``profiled``: the
         engine's step-time statistics start from its cost model's profile grid (:func:`seed_step_stats`), as a
         real engine warmed up over several batch shapes; otherwise they start empty and learn from its steps.
-        ``tool_policy``: a name of ``TOOL_POLICIES`` or a ToolPolicy (None: pauses are preserved, FCFS);
+        ``engine_policy``: a name of ``ENGINE_POLICIES`` (parrot.engine.scheduler.policies; fcfs: FCFS, pauses
+        preserved) or a policy made for this engine alone;
         ``swap_space_blocks``: host slots for swapped KV (None: as many as the pool has blocks; 0: no swap);
         ``tool_pause_ttl_s``: see EngineCore; ``chunked_prefill=False``: the 2023 vLLM scheduler (whole prompts
         first, decodes wait; Scheduler._prefill_step)."""
@@ -56,11 +57,11 @@ class SimEngine(EngineCore):
                          enable_prefix_cache=enable_prefix_cache)
         runner = SimRunner(cost, random.Random(f"{seed}:{name}"), output_lengths,
                            shared_prefix_attention=shared_prefix_attention)
-        policy = named_tool_policy(tool_policy) if isinstance(tool_policy, str) else tool_policy
+        policy = make_engine_policy(engine_policy) if isinstance(engine_policy, str) else engine_policy
         slots = pool.num_blocks if swap_space_blocks is None else swap_space_blocks
         super().__init__(name=name, model_name=model_name, runner=runner, pool=pool,
                          scheduler=Scheduler(pool, cost.max_num_seqs, cost.max_batch_tokens,
-                                             local_policy=local_policy, tool_policy=policy,
+                                             policy=policy,
                                              host=HostStore(slots) if slots else None,
                                              chunked_prefill=chunked_prefill),
                          tokenizer=WordTokenizer(vocab_size), max_model_len=cost.max_model_len,

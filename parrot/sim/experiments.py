@@ -24,13 +24,13 @@ import sys
 import time
 from dataclasses import replace
 
-from parrot.bench.apps import APPS, split_words, load_document
-from parrot.bench.report import format_table
+from parrot.common.report import format_table
 from parrot.sim.cluster import ClusterConfig, SimCluster
 from parrot.sim.cost_model import load_model
 from parrot.sim.vloop import run_virtual
-from parrot.sim import workloads as W
 from parrot.sim.tool_experiments import tools
+from parrot.workloads import synth as W
+from parrot.workloads.apps import APPS, DEFAULT_DOCUMENT, load_document, split_words
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +273,7 @@ def _multi_agent_run(variant: str, files: int, seed: int,
                      chunked_prefill: bool = True) -> tuple[float, float, float]:
     """(end-to-end seconds, peak KV GB, engine-busy seconds) of one workflow run under ``variant``
     (``chunked_prefill=False``: the engine schedules as vLLM did in 2023)."""
-    from parrot.bench.multi_agent import metagpt_workflow
+    from parrot.workloads.multi_agent import metagpt_workflow
     from parrot.manager.policies import AppCentricWithE2, CapacityConfig
 
     cost = load_model("llama13b-a100")
@@ -342,10 +342,10 @@ def multi_agent(quick: bool = False, seed: int = 0) -> str:
 def mixed_cpu(quick: bool = False, seed: int = 0, cost_model: str = "this-machine-1t") -> str:
     """cluster_bench's ``mixed`` scenario (same sizes, prompts, rates and drivers) on 2 simulated 1-thread CPU
     engines, at the bench's latency cap and two larger ones (the same cap for every policy)."""
-    from parrot.bench.cluster_bench import QUICK, Workload, _chunks
+    from parrot.workloads.cluster_mix import QUICK, Workload, chunks
 
     w = QUICK if quick else Workload()
-    words = load_document(W.DEFAULT_DOCUMENT).split()
+    words = load_document(DEFAULT_DOCUMENT).split()
     caps = (w.latency_cap,) if quick else (w.latency_cap, 1024, 2048)
     rows = []
     for cap in caps:
@@ -354,7 +354,7 @@ def mixed_cpu(quick: bool = False, seed: int = 0, cost_model: str = "this-machin
             cfg = ClusterConfig(engines=w.mixed_engines, cost_model=cost_model, policy=policy, latency_cap_tokens=cap,
                                 throughput_cap_tokens=w.throughput_cap, seed=seed)
             run_id = f"{seed}-mixed"
-            apps = [APPS["map_reduce"](_chunks(w, w.mixed_chunks, 10 + k), w.output_len, tag=f"[{run_id} mr {k}] ")
+            apps = [APPS["map_reduce"](chunks(w, w.mixed_chunks, 10 + k), w.output_len, tag=f"[{run_id} mr {k}] ")
                     for k in range(w.mixed_apps)]
 
             async def body(c: SimCluster, policy=policy, apps=apps):
@@ -433,7 +433,7 @@ def speed(quick: bool = False, seed: int = 0, n_requests: int | None = None, eng
 # ---- validation against real app_bench runs -------------------------------------------------------------------------
 def validate(real: list[str], cost_model: str = "this-machine", policy: str = "least-loaded", seed: int = 0) -> str:
     """Simulate the configurations of real ``parrot.bench.app_bench`` JSON files with ``cost_model``; print the
-    simulated vs measured end-to-end latencies and the relative error (issue 22 asks for <= 15%). The Parrot
+    simulated vs measured end-to-end latencies and the relative error (the target is <= 15%). The Parrot
     client is app_bench's (each step submitted with its inputs as values, then one get), and the client's HTTP
     calls cost what ``cost_model`` measured (``api_call_s`` / ``api_completion_s``, ``parrot profile``)."""
     paths = [p for pat in real for p in sorted(glob.glob(pat))]
@@ -448,7 +448,7 @@ def validate(real: list[str], cost_model: str = "this-machine", policy: str = "l
         latency = tuple(cond.get("latency_ms", (200.0, 300.0)))
         if cond.get("background"):
             log.warning("%s: %s background clients are not simulated", path, cond["background"])
-        doc = load_document(args["document"]) if args.get("document") else load_document(W.DEFAULT_DOCUMENT)
+        doc = load_document(args["document"]) if args.get("document") else load_document(DEFAULT_DOCUMENT)
         for row in data["rows"]:
             pieces = split_words(doc, row["chunks"], chunk_words)
             app = APPS[row["app"]](pieces, row["output_len"], tag=f"[validate {seed}] ")

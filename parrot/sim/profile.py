@@ -43,13 +43,13 @@ def measure_swap(engine, tokens: int = SWAP_TOKENS, rounds: int = 3) -> tuple[fl
     tool pause under the swap handling does (``rounds`` pauses of ``tokens`` tokens after one unmeasured round
     that allocates the host store); (None, why) when the engine cannot swap."""
     from parrot.engine.interface import ToolHint
-    from parrot.engine.scheduler.tool_handling import ToolPolicy
+    from parrot.engine.scheduler.policies import FcfsSwap
 
     runner, sch = engine.runner, engine.scheduler
     if sch.kv.host is None or not hasattr(runner, "copy_bytes_per_s"):
         return None, "not measured (the engine has no swap space)"
-    policy = sch.tool_policy
-    sch.tool_policy = ToolPolicy("profile-swap", handling="swap", ranking="fcfs")  # the engine is idle here
+    policy = sch.policy
+    sch.policy = FcfsSwap("profile-swap")  # the engine is idle here
     rng = random.Random(7)
     n = max(engine.pool.block_size, min(tokens, engine.max_model_len - 8,
                                         engine.pool.num_blocks * engine.pool.block_size // 2))
@@ -64,7 +64,7 @@ def measure_swap(engine, tokens: int = SWAP_TOKENS, rounds: int = 3) -> tuple[fl
             engine.free_context(tick).result()
             engine.free_context(ctx).result()
     finally:
-        sch.tool_policy = policy
+        sch.policy = policy
     rate = runner.copy_bytes_per_s
     if rate is None:
         return None, "not measured (no copy ran)"
@@ -83,10 +83,10 @@ def measure_api(engine, model: CostModel, calls: int = API_CALLS) -> ApiCosts:
 
     from parrot.api.app import create_app
     from parrot.api.settings import ServerSettings
-    from parrot.bench.baseline_client import BaselineClient
     from parrot.engine.local_client import LocalEngineClient
     from parrot.frontend.client import Session
     from parrot.frontend.local import LocalServer
+    from parrot.workloads.baseline_client import BaselineClient
 
     server = LocalServer(create_app(ServerSettings(), [LocalEngineClient(engine, owns_engine=False)]))
     try:

@@ -106,7 +106,7 @@ class SimRunner:
         if self.shared_prefix_attention and len(decodes) > 1:
             c -= self._prefix_tokens_read_once(decodes)
         if p == 0 and d == 0:  # nothing to compute: only the sampling of stored hidden states (no base cost)
-            return self.cost.decode_seq_s * sample_only
+            return self.cost.decode_row_s * sample_only
         return self.cost.iteration_s(p, a, d + sample_only, c)
 
     def _prefix_tokens_read_once(self, decodes: list[Chunk]) -> int:

@@ -13,7 +13,7 @@ the in-process EngineClient, request by request, as a tool-calling client would:
     generate(c1, hint=...) ... free_context(c_k)
 
 End-to-end latency is arrival -> last token; TTFT is arrival -> the first generated token. Every policy replays
-the same seeded workload (:mod:`parrot.sim.tool_workloads`). The KV pool is the cost model's, by default an
+the same seeded workload (:mod:`parrot.workloads.tools`). The KV pool is the cost model's, by default an
 A100 limited to 40 GB as in LAMPS §6.1 (GPT-J-6B-class model: LLaMA-7B's roofline).
 """
 
@@ -31,21 +31,20 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from parrot.bench.report import format_table, ratio
+from parrot.common.report import format_table, ratio
 from parrot.common.sampling import SamplingParams
 from parrot.engine.interface import OpHint, ToolHint
 from parrot.engine.local_client import LocalEngineClient
-from parrot.engine.scheduler.tool_handling import ToolPolicy, tool_policy
 from parrot.sim.cost_model import GPU_MEM_UTILIZATION, LLMS, CostModel, load_model
 from parrot.sim.engine import SimEngine
 from parrot.sim.tokenizer import FIRST_WORD_ID
-from parrot.sim.tool_workloads import ToolRequest, describe, make_workload, with_prediction_error
 from parrot.sim.vloop import run_virtual
+from parrot.workloads.tools import ToolRequest, describe, make_workload, with_prediction_error
 
 log = logging.getLogger(__name__)
 
 POLICIES = ("lamps", "infercept", "discard", "preserve")
-LAMPS_NO_RANKING = tool_policy("lamps-fcfs")  # the ablation: predicted handling, FCFS order
+LAMPS_NO_RANKING = "lamps-fcfs"  # the ablation: predicted handling, FCFS order
 """LAMPS §6.3's first step: predicted handling, FCFS admission."""
 
 
@@ -146,9 +145,9 @@ async def drive_request(client: LocalEngineClient, req: ToolRequest, vocab: int,
                          resume_tokens, resume_cached)
 
 
-async def _run(requests: Sequence[ToolRequest], policy: ToolPolicy, cost: CostModel, seed: int,
+async def _run(requests: Sequence[ToolRequest], policy: str, cost: CostModel, seed: int,
                swap_space_blocks: int) -> RunResult:
-    engine = SimEngine("tools-0", cost, seed=seed, tool_policy=policy, swap_space_blocks=swap_space_blocks)
+    engine = SimEngine("tools-0", cost, seed=seed, engine_policy=policy, swap_space_blocks=swap_space_blocks)
     client = LocalEngineClient(engine, owns_engine=False)
     vocab = engine.tokenizer.vocab_size
     try:
@@ -158,16 +157,15 @@ async def _run(requests: Sequence[ToolRequest], policy: ToolPolicy, cost: CostMo
         engine.shutdown()
     start = min((r.arrival_s for r in requests), default=0.0)
     end = max((r.arrival_s + x.latency_s for r, x in zip(requests, results)), default=0.0)
-    return RunResult(policy.name, tuple(results), dict(st.extra.get("tool_pauses") or {}),
+    return RunResult(policy, tuple(results), dict(st.extra.get("tool_pauses") or {}),
                      st.num_preempted_total, end - start)
 
 
-def run_policy(requests: Sequence[ToolRequest], policy: str | ToolPolicy, cost: CostModel, *, seed: int = 0,
+def run_policy(requests: Sequence[ToolRequest], policy: str, cost: CostModel, *, seed: int = 0,
                swap_gib: float = SWAP_GIB) -> RunResult:
     """Replay ``requests`` on a fresh simulated engine under ``policy`` (a fresh virtual loop) with ``swap_gib``
-    GiB of host swap space."""
-    pol = tool_policy(policy) if isinstance(policy, str) else policy
-    return run_virtual(_run(requests, pol, cost, seed, host_blocks(cost, swap_gib)))
+    GiB of host swap space; ``policy``: an engine policy name (parrot.engine.scheduler.policies)."""
+    return run_virtual(_run(requests, policy, cost, seed, host_blocks(cost, swap_gib)))
 
 
 # ---- experiments -----------------------------------------------------------------------------------------------

@@ -37,6 +37,11 @@ class KernelBuildError(RuntimeError):
     """The native kernels could not be compiled or loaded (the message says why)."""
 
 
+# what building or loading the library may raise: a failed compile, a missing / unreadable file, a library torch
+# refuses (built against another torch, an unknown CPU instruction)
+LOAD_ERRORS = (KernelBuildError, OSError, RuntimeError)
+
+
 def _torch_dirs() -> tuple[Path, list[Path]]:
     import torch
 
@@ -126,12 +131,26 @@ def load_kernels(*, build_if_missing: bool = False):
     return torch.ops.parrot_kernels
 
 
+def kernels_if_built(op: str | None = None, *, instead: str):
+    """The one load-and-fall-back probe the engine's layers share: the ``torch.ops.parrot_kernels`` namespace when
+    the library is already built, loads and (if ``op`` is given) has that op; None otherwise, never raising. A
+    library that exists but fails to load is logged as a warning ending in ``instead`` (what runs in its place)."""
+    try:
+        ops = load_kernels(build_if_missing=False)
+    except LOAD_ERRORS as e:
+        log.warning("native kernels failed to load (%s); %s", e, instead)
+        return None
+    if ops is None or (op is not None and not hasattr(ops, op)):
+        return None
+    return ops
+
+
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         path = build(force="--force" in sys.argv[1:])
         load_kernels()
-    except (KernelBuildError, OSError, RuntimeError) as e:
+    except LOAD_ERRORS as e:
         log.warning("native kernels not available (the engine falls back to pure torch): %s", e)
         return 0 if "--strict" not in sys.argv[1:] else 1
     log.info("native kernels ready: %s", path)

@@ -23,7 +23,7 @@ from parrot.engine.layers.weight import DenseWeight, FewRowsWeight, LinearWeight
 
 INT4_GROUP = 32
 # rows up to which torch's int4 GEMV (half of int8's bytes) beats the dense GEMM, and a pre-packed bf16 weight
-# (layers/packed.py), which wins from 2 rows on (figures: the module docstring's link)
+# (layers/packed.py), which wins from 2 rows on (figures: docs/results/kernels.md)
 INT4_MAX_ROWS = 4
 INT4_MAX_ROWS_PACKED = 1
 
@@ -55,10 +55,6 @@ def quantize_int4(weight: Tensor, group: int, dtype: torch.dtype) -> tuple[Tenso
     packed = torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
     sz = torch.stack([scale.squeeze(2), zero.squeeze(2)], dim=2).transpose(0, 1).contiguous().to(dtype)
     return packed, sz
-
-
-def int4_matmul(x: Tensor, packed: Tensor, scales_zeros: Tensor, group: int = INT4_GROUP) -> Tensor:
-    return torch._weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros)
 
 
 class Int4Weight(FewRowsWeight):

@@ -9,7 +9,7 @@ there are enough rows to be compute-bound (prefill), so :class:`Int8Weight` keep
 batches (1 + 2 bytes per weight with bf16).
 
 The kernel is fast only for bf16 activations, so an fp32 model runs its int8 matmuls in bf16 (activations cast
-in, result cast back). Figures: docs/results/README.md#kernel-design-measurements.
+in, result cast back). Figures: docs/results/kernels.md.
 """
 
 from __future__ import annotations

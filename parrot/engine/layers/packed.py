@@ -13,7 +13,6 @@ not. fp32 weights gain nothing from packing and stay plain (DenseWeight).
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +21,6 @@ from torch import Tensor
 
 from parrot.engine.layers.weight import LinearWeight, NativeCall
 
-log = logging.getLogger(__name__)
 
 # the activation row count oneDNN's pack is laid out for (it serves every row count)
 PREFILL_PACK_ROWS = 512
@@ -73,14 +71,10 @@ class VnniKernel:
 def vnni_kernels() -> list[VnniKernel]:
     """Every backend of the native kernel that runs here (AMX needs the CPU feature, a build with AMX enabled and
     the OS granting tile state to the process; AVX512-BF16 only the CPU feature), fastest first."""
-    from parrot.engine.kernels import KernelBuildError, load_kernels
+    from parrot.engine.kernels import kernels_if_built
 
-    try:
-        ops = load_kernels(build_if_missing=False)
-    except (KernelBuildError, OSError, RuntimeError) as e:
-        log.warning("native kernels failed to load (%s); using oneDNN for decode matmuls", e)
-        return []
-    if ops is None or not hasattr(ops, "vnni_linear"):
+    ops = kernels_if_built("vnni_linear", instead="using oneDNN for decode matmuls")
+    if ops is None:
         return []
     have = set(ops.vnni_backends())
     return [VnniKernel(ops, b) for b in VNNI_BACKENDS if b in have]

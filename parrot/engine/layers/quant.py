@@ -22,7 +22,6 @@ GGUF format first (:func:`quantize_float`), so every quantized weight is a GGUF 
 from __future__ import annotations
 
 import functools
-import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,7 +34,6 @@ from torch import Tensor
 
 from parrot.engine.layers.weight import LinearWeight, NativeCall
 
-log = logging.getLogger(__name__)
 
 # ggml type ids of the formats the kernels read (kernels/qformats.h)
 GGML_TYPE_IDS = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14}
@@ -124,14 +122,9 @@ class QuantKernel:
 @functools.cache
 def quant_ops():
     """The kernel library when it is built and has the quantized matmul (None otherwise)."""
-    from parrot.engine.kernels import KernelBuildError, load_kernels
+    from parrot.engine.kernels import kernels_if_built
 
-    try:
-        ops = load_kernels(build_if_missing=False)
-    except (KernelBuildError, OSError, RuntimeError) as e:
-        log.warning("native kernels failed to load (%s); no quantized matmuls", e)
-        return None
-    return ops if ops is not None and hasattr(ops, "qlinear") else None
+    return kernels_if_built("qlinear", instead="no quantized matmuls")
 
 
 def quant_kernel(variant: str, fast: ActNumerics = ActNumerics(),

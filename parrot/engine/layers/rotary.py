@@ -99,7 +99,7 @@ INITIAL_POSITIONS = 8192
 class RotaryEmbedding(nn.Module):
     """Holds ``freqs_cis`` (complex64 [positions, head_dim/2]) for the positions seen so far: it starts at
     INITIAL_POSITIONS and doubles (up to max_position_embeddings) when a longer context asks for more, so a model
-    with a 128k-position window does not build (~75 ms) and keep (~33 MB) rows no request reaches. Rotate q and k
+    with a 128k-position window does not build and keep rows no request reaches. Rotate q and k
     together in one call."""
 
     def __init__(self, config: ModelConfig, device: torch.device | str = "cpu", *, local: bool = False) -> None:

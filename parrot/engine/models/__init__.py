@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["AttentionBackend", "CausalLM", "LlamaForCausalLM", "build_random_model", "load_model"]
-_LAZY = {"AttentionBackend": "decoder", "CausalLM": "decoder", "LlamaForCausalLM": "decoder",
-         "build_random_model": "assembly", "load_model": "assembly"}
+__all__ = ["AttentionBackend", "CausalLM", "build_random_model", "load_model"]
+_LAZY = {"AttentionBackend": "decoder", "CausalLM": "decoder", "build_random_model": "assembly",
+         "load_model": "assembly"}
 
 
 def __getattr__(name: str) -> Any:

@@ -40,7 +40,6 @@ logger = logging.getLogger(__name__)
 
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MATMULS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-_FLOAT_PARTS = ("input_norm", "post_norm", "attn_out_norm", "ffn_out_norm", "qk_norm")  # kept float32
 _TABLE = "model.embed_tokens.weight#table"  # an untied quantized token table's entry in a PackCache
 
 

@@ -12,7 +12,7 @@ layer's sliding window and score soft-capping). Per layer (``[...]``: only in fa
 
 ``act`` is silu (SwiGLU) or tanh-GELU (GeGLU). The residual stream ``h`` and the RMSNorm weights stay float32
 whatever the compute dtype: the norms then run without dtype round trips (cheaper than a bf16 norm:
-docs/results/README.md#kernel-design-measurements) and the residual keeps fp32 precision; only the matmul
+docs/results/kernels.md) and the residual keeps fp32 precision; only the matmul
 inputs/outputs (and attention) are in the compute dtype. Norm weights are the multiplier itself (Gemma's 1 + w is
 folded in by the loaders).
 
@@ -158,9 +158,6 @@ class DecoderLayer(nn.Module):
         qk = rope(qk, rot)
         v = qkv[:, self.qk_size:].view(t, self.num_kv_heads, self.head_dim)
         return self.o_proj(attn(self.layer_idx, qk[:, : self.num_heads], qk[:, self.num_heads:], v), precise)
-
-
-LlamaDecoderLayer = DecoderLayer  # the name before the decoder was shared by every family
 
 
 @dataclass(frozen=True)
@@ -321,6 +318,3 @@ class CausalLM(nn.Module):
                 p + "mlp.down_proj.weight": layer.down_proj.dense_weight().float(),
             }
         return {name: t.contiguous().cpu() for name, t in out.items()}
-
-
-LlamaForCausalLM = CausalLM  # the name before the decoder was shared by every family

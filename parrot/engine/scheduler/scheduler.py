@@ -9,11 +9,11 @@ the model) and ``max_num_seqs`` (running ops):
 while prompts wait and fit, an iteration is whole prompts only and the decodes wait; :meth:`Scheduler._prefill_step`.)
 
 Order of service: running ops first (decodes before prefill chunks, each group by :func:`service_key`), then
-admission of waiting ops in the local policy's order (:mod:`parrot.engine.scheduler.local_policy`: FCFS, or Preble's
-priority groups by cached-token ratio). Admission also respects ``token_cap`` (the global scheduler's placement hint,
-see ``EngineClient.set_token_cap``): while anything runs, a waiting op is admitted only if the running ops'
-contexts plus its own stay within the cap. KV blocks are allocated for exactly the tokens scheduled. When the pool is
-short it first evicts the KV of idle contexts (least recently used), then preempts the most recently
+admission of waiting ops in the engine policy's order (:mod:`parrot.engine.scheduler.policies`: FCFS, Preble's
+priority groups, LAMPS' ranking, ...; the policy reads the scheduler through a read-only :class:`SchedulerView`).
+Admission also respects ``token_cap`` (the global scheduler's placement hint, see ``EngineClient.set_token_cap``):
+while anything runs, a waiting op is admitted only if the running ops' contexts plus its own stay within the cap.
+KV blocks are allocated for exactly the tokens scheduled. When the pool is short it first evicts the KV of idle contexts (least recently used), then preempts the most recently
 arrived running op (its context's KV is dropped and recomputed later: "recompute" preemption). A waiting op
 never preempts a running one. The pool is never over-committed and KV is never shared while writable.
 
@@ -22,31 +22,26 @@ of block tables and computed prefixes) and hands back frozen records. The engine
 
 Tool calls (LAMPS / INFERCEPT; :mod:`parrot.engine.scheduler.tool_handling`): a context paused while its tool
 runs is held here (:meth:`Scheduler.pause`, a :class:`~parrot.engine.kv_cache.tool_pauses.PauseTable`) with the
-handling its :class:`ToolPolicy` picks: ``predicted`` (LAMPS: chosen when its generate was queued, from the
-op's hint), ``dynamic`` (INFERCEPT: min waste at the pause from the actual sizes) or a fixed one. Under KV
-pressure, after the idle contexts, preserved pauses are demoted (to swap if the host store has room, else
-discard) before the KV of waiting ops and before any running op is preempted. With the ``memory_time`` ranking
-(the lamps policy, unless another local policy is chosen; or ``local_policy="lamps"``) waiting ops are admitted
-by LAMPS' score (:func:`memory_time`, starving ops first: :class:`LampsRanker`) instead of FCFS; a generate
-whose request already started here (its prompt was filled and computed) is the running request's next phase and
-goes before them. A plan carries
-the host<->pool copies planned since the previous one (``BatchPlan.copies``).
+handling the engine policy picks (when the op before the pause was queued, or at the pause; a swap without a host
+store becomes a discard). Under KV pressure, after the idle contexts, preserved pauses are demoted (to swap if the
+host store has room, else discard) before the KV of waiting ops and before any running op is preempted. A plan
+carries the host<->pool copies planned since the previous one (``BatchPlan.copies``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from parrot.engine.context import Context, Op, OpKind, OpStatus
+from parrot.engine.context import Context, Op, OpStatus
 from parrot.engine.interface import ToolHint
 from parrot.engine.kv_cache.block_pool import BlockPool
 from parrot.engine.kv_cache.host_store import HostStore
 from parrot.engine.kv_cache.manager import NO_COPIES, KVCopies, KVManager
 from parrot.engine.kv_cache.tool_pauses import PausedContext, PauseTable
-from parrot.engine.scheduler.lamps import LampsRanker
-from parrot.engine.scheduler.local_policy import LOCAL_POLICIES, admission_order
-from parrot.engine.scheduler.tool_handling import (FixedCosts, Handling, ToolCosts, ToolPolicy, choose_handling,
-                                                   memory_time)
+from parrot.engine.scheduler.policies.base import EnginePolicy
+from parrot.engine.scheduler.policies.fcfs import FcfsPreserve
+from parrot.engine.scheduler.tool_handling import FixedCosts, Handling, ToolCosts
 
 DEFAULT_OUTPUT_TOKENS = 64  # a generate's predicted output before the engine has seen any finish
 # ToolCosts before the engine core installs its measured ones (a small model on one CPU core)
@@ -83,25 +78,16 @@ class TooLargeForPool(Exception):
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_num_seqs: int, max_batch_tokens: int, *, local_policy: str = "fcfs",
-                 priority_groups: int = 10, tool_policy: ToolPolicy | None = None,
-                 host: HostStore | None = None, chunked_prefill: bool = True) -> None:
-        """``tool_policy``: how paused contexts are handled and waiting ops ranked (None: preserve every pause,
-        FCFS); ``host``: the swap space (None: no swapping; swap choices become discard); ``chunked_prefill=False``:
-        the 2023 scheduler of vLLM (the Parrot paper's baselines), see :meth:`_prefill_step`."""
-        if local_policy not in LOCAL_POLICIES + ("lamps",):
-            raise ValueError(f"local_policy must be one of {LOCAL_POLICIES + ('lamps',)}, got {local_policy!r}")
-        if priority_groups < 1:
-            raise ValueError(f"priority_groups must be >= 1, got {priority_groups!r}")
-        self.local_policy = local_policy
-        self.priority_groups = priority_groups
-        self.tool_policy = tool_policy
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_batch_tokens: int, *,
+                 policy: EnginePolicy | None = None, host: HostStore | None = None,
+                 chunked_prefill: bool = True) -> None:
+        """``policy``: the admission order and the handling of paused contexts, this scheduler's own (None: FCFS,
+        every pause preserved: ``fcfs``); ``host``: the swap space (None: no swapping; swap choices become
+        discard); ``chunked_prefill=False``: the 2023 scheduler of vLLM (the Parrot paper's baselines), see
+        :meth:`_prefill_step`."""
+        self.policy: EnginePolicy = policy if policy is not None else FcfsPreserve("fcfs")
+        self.view = SchedulerView(self)  # what the policy reads
         self.kv = KVManager(pool, host)
-        ranks = local_policy == "lamps" or (
-            local_policy == "fcfs" and tool_policy is not None and tool_policy.ranking == "memory_time")
-        self.ranker: LampsRanker[int] | None = LampsRanker(
-            tool_policy.starvation_threshold if tool_policy else 100,
-            tool_policy.refresh_interval if tool_policy else 1) if ranks else None
         self.pauses = PauseTable()
         self.costs: ToolCosts = DEFAULT_COSTS  # the engine core installs its measured ones
         self.mean_output_tokens: float = DEFAULT_OUTPUT_TOKENS  # the core keeps it current (finished generates)
@@ -118,9 +104,8 @@ class Scheduler:
     def add(self, op: Op) -> None:
         op.set_status(OpStatus.WAITING)
         self.idle_contexts.pop(op.ctx.id, None)
-        if op.hint is not None and op.hint.tool is not None and op.handling is None \
-                and self.tool_policy is not None and self.tool_policy.handling == "predicted":
-            op.handling = self._predict_handling(op)
+        if op.hint is not None and op.hint.tool is not None and op.handling is None:
+            op.handling = self.policy.handling_when_queued(op, self.view)
         self.waiting.append(op)
         self.waiting.sort(key=service_key)
 
@@ -130,8 +115,7 @@ class Scheduler:
             self.running.remove(op)
         elif op in self.waiting:
             self.waiting.remove(op)
-        if self.ranker is not None:
-            self.ranker.forget(op.seq_no)
+        self.policy.forget(op)
 
     def park(self, ctx: Context) -> None:
         """A context without an active op: its KV may be evicted under pressure."""
@@ -198,7 +182,7 @@ class Scheduler:
             budget -= chunk.num_tokens
 
         running_tokens = sum(len(o.ctx.tokens) for o in self.running)
-        order = self._admission_order() if self.waiting and budget > 0 and len(self.running) < self.max_num_seqs \
+        order = self.policy.order(self.view) if self.waiting and budget > 0 and len(self.running) < self.max_num_seqs \
             else []
         admitted: list[Op] = []
         for op in order:
@@ -213,8 +197,8 @@ class Scheduler:
             running_tokens += len(op.ctx.tokens)
             chunks.append(chunk)
             budget -= chunk.num_tokens
-        if self.ranker is not None and (admitted or self.waiting):  # LAMPS §4.4: one pass per iteration waited
-            self.ranker.after_admission((o.seq_no for o in admitted), (o.seq_no for o in self.waiting))
+        if admitted or self.waiting:
+            self.policy.after_admission(admitted, self.waiting)
         # an op planned early in this iteration may have been preempted by an older one later on
         planned = tuple(c for c in chunks if c.op.status is OpStatus.RUNNING and c.op in self.running)
         # copies wait for a plan that runs (an empty plan is not executed)
@@ -232,7 +216,7 @@ class Scheduler:
         preempted: list[Op] = []
         admitted: list[Op] = []
         running_tokens = sum(len(o.ctx.tokens) for o in self.running)
-        for op in self._admission_order():
+        for op in self.policy.order(self.view):
             if len(self.running) >= self.max_num_seqs:
                 break
             if chunks and len(op.ctx.tokens) - self.cached_tokens(op) > budget:
@@ -246,10 +230,9 @@ class Scheduler:
             budget -= chunk.num_tokens
             if budget <= 0:
                 break
-        if not chunks:  # nothing admitted: schedule() plans this iteration (and its LAMPS bookkeeping)
+        if not chunks:  # nothing admitted: schedule() plans this iteration (and the policy's bookkeeping)
             return None
-        if self.ranker is not None:
-            self.ranker.after_admission((o.seq_no for o in admitted), (o.seq_no for o in self.waiting))
+        self.policy.after_admission(admitted, self.waiting)
         return BatchPlan(tuple(chunks), (), self.kv.take_copies())
 
     def _admit(self, op: Op, budget: int, running_tokens: int, preempted: list[Op]) -> Chunk | None:
@@ -306,42 +289,6 @@ class Scheduler:
         reaches_end = ctx.num_computed + n == len(ctx.tokens)
         return Chunk(op, ctx.num_computed, n, sample=op.is_generate and reaches_end)
 
-    # ---- ranking (LAMPS) ---------------------------------------------------------------------------------------
-    def _admission_order(self) -> list[Op]:
-        """The local policy's order; with the memory-time ranking, LAMPS' order once any waiting op carries the
-        manager's predictions (a hint): without one there is nothing to rank by, and the order stays FCFS."""
-        if self.ranker is None or not any(o.hint is not None for o in self.waiting):
-            policy = "fcfs" if self.local_policy == "lamps" else self.local_policy
-            return admission_order(self.waiting, policy, self.priority_groups, self.cached_tokens)
-        # LAMPS ranks *requests* waiting to start (vLLM's waiting queue); a request here is a fill and then a
-        # generate on the same context, so a generate whose request already started on this engine is the running
-        # request's next phase: it goes first (FCFS among them), or its computed prompt would wait behind newer
-        # requests and be evicted and recomputed (LAMPS 4.4: prioritization continues until the request completes)
-        started = [o for o in self.waiting if _started(o)]
-        running = self._running_tokens()  # one sum per ranking (a waiting op's context has no running op)
-        ranked = self.ranker.order([o for o in self.waiting if not _started(o)], lambda o: o.seq_no,
-                                   lambda o: self.score(o, running))
-        return started + ranked
-
-    def score(self, op: Op, running_tokens: int | None = None) -> float:
-        """LAMPS' rank of a waiting op: its request segment's memory over time (prompt, of which the KV already held
-        or cached costs no prefill, predicted output, the tool call's handling, with the running batch as the rest
-        of memory), lower admitted first. A fill is scored as the segment its hint describes (the generate that
-        follows it); without a hint its output is the engine's mean. ``running_tokens``: the running ops' context
-        tokens, if the caller has summed them already."""
-        hint = op.hint
-        pred = hint.predicted_output_tokens if hint is not None else None
-        out = pred if pred is not None else int(self.mean_output_tokens)
-        if op.kind is OpKind.GENERATE and op.sampling is not None:
-            out = min(out, op.sampling.max_tokens)
-        tool_s = self.pauses.expected_s(hint.tool) if hint is not None and hint.tool is not None else None
-        prompt = len(op.ctx.tokens)
-        return memory_time(prompt_tokens=prompt, output_tokens=max(0, out), tool_s=tool_s,
-                           handling=op.handling if tool_s is not None else None, costs=self.costs,
-                           other_tokens=self._running_tokens(exclude=op.ctx) if running_tokens is None
-                           else running_tokens,
-                           cached_tokens=min(prompt, self.cached_tokens(op)))
-
     # ---- tool pauses -------------------------------------------------------------------------------------------
     def _allowed(self) -> tuple[Handling, ...]:
         return tuple(Handling) if self.kv.host is not None else (Handling.PRESERVE, Handling.DISCARD)
@@ -349,33 +296,15 @@ class Scheduler:
     def _running_tokens(self, exclude: Context | None = None) -> int:
         return sum(len(o.ctx.tokens) for o in self.running if o.ctx is not exclude)
 
-    def _predict_handling(self, op: Op) -> Handling:
-        """LAMPS §4.2: the handling of the pause after ``op`` from its predictions (hint) and the batch now."""
-        assert op.hint is not None and op.hint.tool is not None
-        pred = op.hint.predicted_output_tokens
-        c = len(op.ctx.tokens) + (pred if pred is not None else int(self.mean_output_tokens))
-        other = self._running_tokens(exclude=op.ctx)
-        return choose_handling(context_tokens=c, other_tokens=other, batch_tokens=c + other,
-                               tool_s=self.pauses.expected_s(op.hint.tool), costs=self.costs,
-                               allowed=self._allowed())
-
-    def _pause_handling(self, ctx: Context, tool: ToolHint, predicted: Handling | None) -> Handling:
-        pol = self.tool_policy
-        fixed = pol.fixed_handling if pol is not None else Handling.PRESERVE
-        if fixed is None and pol is not None and pol.handling == "predicted" and predicted is not None:
-            fixed = predicted
-        if fixed is not None:
-            return fixed if fixed in self._allowed() else Handling.DISCARD
-        c, other = len(ctx.tokens), self._running_tokens(exclude=ctx)
-        return choose_handling(context_tokens=c, other_tokens=other, batch_tokens=c + other,
-                               tool_s=self.pauses.expected_s(tool), costs=self.costs, allowed=self._allowed())
-
     def pause(self, ctx: Context, tool: ToolHint, *, now: float, ttl_s: float,
               predicted: Handling | None = None) -> PausedContext:
         """Hold ``ctx`` (no active op) while ``tool`` runs, with the policy's handling (``predicted``: the one its
-        last generate was queued with). Its KV is kept, swapped out (copies planned) or dropped."""
+        last generate was queued with); one this engine cannot do (swap without a host store) becomes discard. Its
+        KV is kept, swapped out (copies planned) or dropped."""
         self.idle_contexts.pop(ctx.id, None)
-        handling = self._pause_handling(ctx, tool, predicted)
+        handling = self.policy.handling_at_pause(ctx, tool, predicted, self.view)
+        if handling not in self._allowed():
+            handling = Handling.DISCARD
         n_tokens, bs = len(ctx.tokens), self.kv.block_size
         if handling is Handling.PRESERVE:
             n_blocks = len(ctx.block_table)
@@ -419,14 +348,46 @@ class Scheduler:
         self.pauses.num_demoted += 1
 
 
+class SchedulerView:
+    """The read-only :class:`~parrot.engine.scheduler.policies.base.EngineView` of a scheduler its policy reads."""
+
+    __slots__ = ("_s",)
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._s = scheduler
+
+    @property
+    def waiting(self) -> Sequence[Op]:
+        return tuple(self._s.waiting)
+
+    @property
+    def running(self) -> Sequence[Op]:
+        return tuple(self._s.running)
+
+    @property
+    def costs(self) -> ToolCosts:
+        return self._s.costs
+
+    @property
+    def mean_output_tokens(self) -> float:
+        return self._s.mean_output_tokens
+
+    @property
+    def allowed_handlings(self) -> tuple[Handling, ...]:
+        return self._s._allowed()
+
+    def cached_tokens(self, op: Op) -> int:
+        return self._s.cached_tokens(op)
+
+    def running_tokens(self, exclude: Context | None = None) -> int:
+        return self._s._running_tokens(exclude)
+
+    def expected_tool_s(self, tool: ToolHint) -> float:
+        return self._s.pauses.expected_s(tool)
+
+
 def service_key(op: Op) -> tuple[int, float, int]:
     """The order of service: the request's priority (``OpHint.priority``, vLLM's: lower first; 0 without a hint),
     then FCFS (``Op.sort_key``). Waiting ops are kept in this order, running ops are planned in it, and the last in
-    it is preempted first. With every priority 0 it is plain FCFS; LAMPS' ranking replaces it for admission."""
+    it is preempted first. With every priority 0 it is plain FCFS; the engine policy may admit in another order."""
     return (op.hint.priority if op.hint is not None else 0, *op.sort_key)
-
-
-def _started(op: Op) -> bool:
-    """A generate whose request already began on this engine: its prompt's KV is (or was, before a preemption)
-    computed here."""
-    return op.is_generate and (op.ctx.num_computed > 0 or op.num_preemptions > 0)

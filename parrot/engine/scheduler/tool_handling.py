@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 from enum import Enum
-from typing import Literal, Protocol, get_args
+from typing import Protocol
 
 
 class Handling(str, Enum):
@@ -160,60 +160,3 @@ def memory_time(*, prompt_tokens: int, output_tokens: int, tool_s: float | None,
     area += waste(handling, context_tokens=context, other_tokens=other_tokens,
                   batch_tokens=context + other_tokens, tool_s=max(0.0, tool_s), costs=costs)
     return area + _growth_area(context, post_tool_tokens, step)
-
-
-HandlingMode = Literal["predicted", "dynamic", "preserve", "discard", "swap"]
-RankingMode = Literal["fcfs", "memory_time"]
-
-
-@dataclass(frozen=True)
-class ToolPolicy:
-    """An engine's tool-call policy: how a paused context is handled, and how waiting ops are ranked.
-
-    ``handling``: ``predicted`` = LAMPS (min waste from the op's predictions, decided at admission, used at the
-    pause); ``dynamic`` = INFERCEPT (min waste at the pause from the actual context and batch sizes);
-    ``preserve`` / ``discard`` / ``swap`` = always that one (``discard`` is vLLM's behaviour).
-    ``ranking``: ``fcfs`` or ``memory_time`` (:func:`memory_time` via :class:`~parrot.engine.scheduler.lamps.
-    LampsRanker`, with ``starvation_threshold`` and ``refresh_interval``).
-    """
-
-    name: str
-    handling: HandlingMode
-    ranking: RankingMode
-    starvation_threshold: int = 100
-    refresh_interval: int = 1
-
-    def __post_init__(self) -> None:
-        if self.handling not in get_args(HandlingMode):
-            raise ValueError(f"handling must be one of {get_args(HandlingMode)}, got {self.handling!r}")
-        if self.ranking not in get_args(RankingMode):
-            raise ValueError(f"ranking must be one of {get_args(RankingMode)}, got {self.ranking!r}")
-        if self.starvation_threshold < 1:
-            raise ValueError(f"starvation_threshold must be >= 1, got {self.starvation_threshold!r}")
-        if self.refresh_interval < 1:
-            raise ValueError(f"refresh_interval must be >= 1, got {self.refresh_interval!r}")
-
-    @property
-    def fixed_handling(self) -> Handling | None:
-        """The handling every pause gets, or None when it is chosen per pause (predicted / dynamic)."""
-        if self.handling in ("predicted", "dynamic"):
-            return None
-        return Handling(self.handling)
-
-
-TOOL_POLICIES: dict[str, ToolPolicy] = {
-    "lamps": ToolPolicy("lamps", handling="predicted", ranking="memory_time"),
-    # LAMPS' handling without its scheduling (the ablation of LAMPS 6.3: "handling only")
-    "lamps-fcfs": ToolPolicy("lamps-fcfs", handling="predicted", ranking="fcfs"),
-    "infercept": ToolPolicy("infercept", handling="dynamic", ranking="fcfs"),
-    "discard": ToolPolicy("discard", handling="discard", ranking="fcfs"),
-    "preserve": ToolPolicy("preserve", handling="preserve", ranking="fcfs"),
-}
-
-
-def tool_policy(name: str) -> ToolPolicy:
-    """The named policy of :data:`TOOL_POLICIES`; ValueError naming the known ones."""
-    try:
-        return TOOL_POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown tool policy {name!r} (known: {', '.join(TOOL_POLICIES)})") from None
