@@ -62,8 +62,8 @@ def _settings_from(cls: type[BaseSettings], ns: argparse.Namespace, skip: set[st
 
 def _cmd_engine(ns: argparse.Namespace) -> None:
     from parrot.drain import serve
-    from parrot.engine.builder import build_local_engine_client
-    from parrot.engine.server import EngineServerSettings, create_engine_app
+    from parrot.engine.loader.builder import build_local_engine_client
+    from parrot.engine.server.app import EngineServerSettings, create_engine_app
     from parrot.engine.settings import EngineSettings
 
     server = _settings_from(EngineServerSettings, ns)
@@ -138,7 +138,7 @@ def _cmd_serve(ns: argparse.Namespace) -> None:
         open_journal(server.state_dir).close()
     backends = _backend_engines(server.backends)
     if server.engines == 0 and not backends and server.local_engine:  # no --engines / --backend / --no-local-engine
-        from parrot.engine.builder import build_local_engine_client
+        from parrot.engine.loader.builder import build_local_engine_client
 
         client = build_local_engine_client(engine)
         url = f"http://{server.host}:{server.port}"
@@ -149,7 +149,7 @@ def _cmd_serve(ns: argparse.Namespace) -> None:
               timeout_keep_alive=KEEP_ALIVE_S)
         return
 
-    from parrot.engine.procs import free_port, start_engines, stop_all
+    from parrot.engine.server.procs import free_port, start_engines, stop_all
 
     # the children register from 127.0.0.1 (inside the default --engine-networks)
     port = server.port or free_port(server.host)
@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     --engine-policy lamps`` from EngineSettings.engine_policy, handed to the builtin engine
     in the server and, re-serialized, to each ``parrot engine`` child)."""
     from parrot.api.settings import ServerSettings
-    from parrot.engine.server import EngineServerSettings
+    from parrot.engine.server.app import EngineServerSettings
     from parrot.engine.settings import EngineSettings
 
     parser = argparse.ArgumentParser(prog="parrot", description="Parrot: an LLM service for applications")
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging(ns.log_level, ns.log_format)  # request / session ids on every record (parrot.common.log_context)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per engine call/heartbeat otherwise
     from parrot.common.errors import ModelNotFound
-    from parrot.engine.numerics import PathUnavailable
+    from parrot.engine.runtime.numerics import PathUnavailable
     from parrot.manager.journal import JournalError
 
     try:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from parrot.backends.llama_server import binary_path, running
-from parrot.engine.procs import free_port
+from parrot.engine.server.procs import free_port
 from parrot.backends.llama_server import llama_server as _llama_server
 
 ROOT = Path(__file__).resolve().parents[1]

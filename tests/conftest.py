@@ -8,7 +8,7 @@ import tempfile
 import pytest
 
 from parrot.common.errors import ModelNotFound
-from parrot.engine.config import ModelConfig
+from parrot.engine.files.config import ModelConfig
 
 # engines the tests build (in-process and in subprocesses, which inherit the environment) keep their packed-weight
 # caches in a temporary dir of this run, not in the user's ~/.cache
@@ -18,7 +18,7 @@ os.environ.setdefault("PARROT_ENGINE_PACK_CACHE_DIR", tempfile.mkdtemp(prefix="p
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
     """Path of the default SmolLM2 GGUF; skips the test (with the install hint) if the wheel is missing."""
-    from parrot.engine.model_files import default_model_path as find_default
+    from parrot.engine.files.model_files import default_model_path as find_default
 
     try:
         return find_default()

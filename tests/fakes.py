@@ -38,7 +38,7 @@ from parrot.common.errors import (
     UnknownContext,
 )
 from parrot.common.sampling import FinishReason, PositionLogprobs, SamplingParams, TokenLogprob
-from parrot.engine.interface import (
+from parrot.protocol.interface import (
     EngineClient,
     EngineStatus,
     FillResult,

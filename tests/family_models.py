@@ -216,7 +216,7 @@ def word_tokenizer(vocab_size: int, eos: int = 2):
     from tokenizers import Tokenizer as Backend
     from tokenizers import models
 
-    from parrot.engine.tokenizer import Tokenizer
+    from parrot.engine.files.tokenizer import Tokenizer
 
     vocab = {f"t{i}": i for i in range(vocab_size)}
     return Tokenizer(Backend(models.WordLevel(vocab, unk_token="t0")), bos_token_id=None, eos_token_ids=(eos,),

@@ -20,8 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def server():
     from parrot.common.errors import ModelNotFound
-    from parrot.engine.model_files import default_model_path
-    from parrot.engine.procs import free_port, wait_healthy
+    from parrot.engine.files.model_files import default_model_path
+    from parrot.engine.server.procs import free_port, wait_healthy
 
     try:
         default_model_path()

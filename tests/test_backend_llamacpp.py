@@ -19,7 +19,7 @@ from backend_servers import ROOT, llama_server, llama_server_or_skip, parrot_ser
 from parrot.backends import BackendKind, BackendSpec, build_backend, detect_kind
 from parrot.common.errors import ContextLengthExceeded, StepFailed
 from parrot.common.sampling import FinishReason, SamplingParams
-from parrot.engine.interface import EngineCapabilities
+from parrot.protocol.interface import EngineCapabilities
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 

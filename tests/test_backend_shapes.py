@@ -46,7 +46,7 @@ from parrot.backends import BackendKind, BackendSpec, build_backend, detect_kind
 from parrot.backends.settings import BackendSettings
 from parrot.common.errors import BadSamplingParams, ContextLengthExceeded, EngineUnavailable, StepFailed
 from parrot.common.sampling import FinishReason, SamplingParams
-from parrot.engine.interface import EngineCapabilities
+from parrot.protocol.interface import EngineCapabilities
 from servers import serve
 
 WINDOW = 256

@@ -6,11 +6,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from parrot.bench import engine as bench
+from parrot.bench import engine_bench as bench
 from parrot.bench import engine_report as report
 from parrot.bench import ours_variants as variants
-from parrot.engine.cpu import CpuInfo, CpuPath
-from parrot.engine.numerics import make_plan
+from parrot.engine.runtime.cpu import CpuInfo, CpuPath
+from parrot.engine.runtime.numerics import make_plan
 
 AVX2_CPU = CpuInfo(arch="x86_64", model="Test EPYC", flags=frozenset({"avx", "avx2", "fma", "f16c"}))
 BF16_CPU = CpuInfo(arch="x86_64", model="Test Zen 4",
@@ -20,7 +20,7 @@ BASE = {"cpu_path": "auto", "dtype": "auto", "weight_quant": "auto", "act_quant"
 
 @pytest.fixture
 def avx2_cpu(monkeypatch):
-    import parrot.engine.cpu as cpu
+    import parrot.engine.runtime.cpu as cpu
 
     monkeypatch.setattr(cpu, "probe_cpu", lambda: AVX2_CPU)
     return AVX2_CPU

@@ -27,7 +27,7 @@ def test_measure_peak_reports_sizes_and_threads():
     assert d["threads"] == 1 and d["matmul_n"] == 32 and d["mem_read_mib"] == 2
     assert p.fp32_matmul_gflops > 0 and p.mem_read_gbs > 0
     # bf16 is measured only where the CPU has bf16 dot products (elsewhere torch emulates them at ~1 GFLOP/s)
-    from parrot.engine.cpu import CpuPath, probe_cpu
+    from parrot.engine.runtime.cpu import CpuPath, probe_cpu
 
     has_bf16 = CpuPath.AVX512_BF16 in probe_cpu().paths()
     assert (p.bf16_matmul_gflops is not None and p.bf16_matmul_gflops > 0) if has_bf16 else p.bf16_matmul_gflops is None
@@ -67,7 +67,7 @@ def test_decode_flops_formula_matches_smollm2_shapes():
 
 
 def test_combine_peaks_takes_the_higher_reading_per_figure():
-    from parrot.bench.engine import combine_peaks
+    from parrot.bench.engine_bench import combine_peaks
 
     a = {"system": "machine", "bf16_matmul_gflops": 447.0, "fp32_matmul_gflops": 130.0, "mem_read_gbs": 18.0}
     b = {"system": "machine", "bf16_matmul_gflops": 690.0, "fp32_matmul_gflops": 124.0, "mem_read_gbs": 13.1}

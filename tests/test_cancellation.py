@@ -30,7 +30,7 @@ GONE_WITHIN_S = 1.0  # the issue's bound for "within one engine iteration" on a 
 
 @pytest.fixture(scope="module")
 def served(default_model_path):
-    from parrot.engine.builder import build_local_engine_client
+    from parrot.engine.loader.builder import build_local_engine_client
     from parrot.engine.settings import EngineSettings
 
     client = build_local_engine_client(EngineSettings(model=default_model_path, kv_cache_tokens=16384))
@@ -221,7 +221,7 @@ def test_disconnect_frees_work_on_an_engine_process(default_model_path, stream):
     import subprocess
     import sys
 
-    from parrot.engine.procs import free_port
+    from parrot.engine.server.procs import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "parrot.cli", "--log-level", "WARNING", "serve", "--engines", "1",

@@ -27,7 +27,7 @@ import pytest
 from fakes import FakeEngine
 from parrot.api.openai_shapes import chat_spec
 from parrot.api.schemas import ChatCompletionRequest
-from parrot.engine.tokenizer import Tokenizer, load_tokenizer
+from parrot.engine.files.tokenizer import Tokenizer, load_tokenizer
 from parrot.manager.completions import CompletionService
 from parrot.manager.dispatcher import Dispatcher
 from parrot.manager.engine_registry import EngineRegistry

@@ -14,7 +14,7 @@ import pytest
 from parrot.common.perf import PerfCriteria, PinnedTargets
 from parrot.common.sampling import SamplingParams
 from parrot.common.step_cost import StepCost, StepStats
-from parrot.engine.interface import EngineStatus
+from parrot.protocol.interface import EngineStatus
 from parrot.manager import EngineRegistry
 from parrot.manager.dispatcher import Dispatcher
 from parrot.manager.perf_deduction import RequestLabel, SchedInfo
@@ -33,7 +33,7 @@ from parrot.manager.policies import (
 )
 from parrot.manager.policies.cost_aware import CostLedger, cap_for_tpot
 from parrot.sim.cost_model import load_model
-from parrot.sim.engine import SimEngine
+from parrot.sim.sim_engine import SimEngine
 from parrot.sim.vloop import run_virtual
 from fakes import FakeEngine
 

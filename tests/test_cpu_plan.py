@@ -1,4 +1,4 @@
-"""The CPU probe and the numerics plan (parrot/engine/cpu.py, parrot/engine/numerics.py): families and paths from
+"""The CPU probe and the numerics plan (parrot/engine/runtime/cpu.py, parrot/engine/runtime/numerics.py): families and paths from
 /proc/cpuinfo texts of each CPU family, the path choice (auto, forced, forced but impossible), the plan per path
 with explicit settings applied, and an engine on this machine reporting its plan in its status and /v1/models."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from parrot.engine.cpu import CpuInfo, CpuPath, parse_cpuinfo, probe_cpu
-from parrot.engine.numerics import (BIG_ROWS, DENSE_ROWS, X2_ROWS, KernelSupport, PathUnavailable, choose_path,
+from parrot.engine.runtime.cpu import CpuInfo, CpuPath, parse_cpuinfo, probe_cpu
+from parrot.engine.runtime.numerics import (BIG_ROWS, DENSE_ROWS, X2_ROWS, KernelSupport, PathUnavailable, choose_path,
                                     make_plan)
 
 _X86_BASE = "fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov sse sse2 ssse3 sse4_1 sse4_2 popcnt"
@@ -147,7 +147,7 @@ def tiny_settings():
 
 def test_engine_reports_its_plan(tiny_settings) -> None:
     """The default engine runs the best path this CPU and the kernel build allow, and says so in its status."""
-    from parrot.engine.builder import build_engine
+    from parrot.engine.loader.builder import build_engine
     from parrot.engine.kernels import load_kernels
     from parrot.engine.settings import EngineSettings
 
@@ -167,7 +167,7 @@ def test_engine_reports_its_plan(tiny_settings) -> None:
 
 
 def test_forced_portable_path_and_impossible_path(tiny_settings) -> None:
-    from parrot.engine.builder import build_engine
+    from parrot.engine.loader.builder import build_engine
     from parrot.engine.settings import EngineSettings
 
     eng = build_engine(EngineSettings(cpu_path="portable", **tiny_settings))
@@ -188,7 +188,7 @@ def test_v1_models_lists_each_engines_numerics(tiny_settings) -> None:
     from fastapi.testclient import TestClient
 
     from parrot.api import ServerSettings, create_app
-    from parrot.engine.builder import build_local_engine_client
+    from parrot.engine.loader.builder import build_local_engine_client
     from parrot.engine.settings import EngineSettings
 
     client = build_local_engine_client(EngineSettings(name="e0", cpu_path="portable", **tiny_settings))

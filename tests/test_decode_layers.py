@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from parrot.engine.builder import TINY_RANDOM_CONFIG
+from parrot.engine.loader.builder import TINY_RANDOM_CONFIG
 from parrot.engine.layers.attention import DecodeGroup, PagedAttention, PrefillMeta
 from parrot.engine.layers.linear import MatmulKernels
 from parrot.engine.layers.packed import vnni_kernel

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from parrot.engine.interface import EngineCapabilities, EngineStatus
+from parrot.protocol.interface import EngineCapabilities, EngineStatus
 from parrot.manager import EngineRegistry
 from parrot.manager.dispatcher import Dispatcher
 from parrot.manager.policies import CapacityConfig, DispatchRequest, make_policy

@@ -11,8 +11,8 @@ import torch
 
 from parrot.common.errors import ContextExists, ContextLengthExceeded, EngineError, UnknownContext
 from parrot.common.sampling import FinishReason, SamplingParams
-from parrot.engine.builder import build_engine
-from parrot.engine.config import ModelConfig
+from parrot.engine.loader.builder import build_engine
+from parrot.engine.files.config import ModelConfig
 from parrot.engine.models.assembly import build_random_model
 from parrot.engine.settings import EngineSettings
 
@@ -27,8 +27,8 @@ TINY = ModelConfig(
 @pytest.fixture(scope="module")
 def default_tokenizer():
     from parrot.common.errors import ModelNotFound
-    from parrot.engine.model_files import default_model_path
-    from parrot.engine.tokenizer import load_tokenizer
+    from parrot.engine.files.model_files import default_model_path
+    from parrot.engine.files.tokenizer import load_tokenizer
 
     try:
         return load_tokenizer(default_model_path())

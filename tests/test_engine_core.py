@@ -12,12 +12,12 @@ import pytest
 
 from parrot.common.errors import ContextLengthExceeded, EngineError, UnknownContext
 from parrot.common.sampling import FinishReason, SamplingParams
-from parrot.engine.core import EngineCore
-from parrot.engine.engine import LLMEngine
+from parrot.engine.runtime.core import EngineCore
+from parrot.engine.runtime.engine_loop import LLMEngine
 from parrot.engine.kv_cache.block_pool import BlockPool
 from parrot.engine.scheduler.scheduler import Scheduler
 from parrot.sim.cost_model import CostModel
-from parrot.sim.engine import SimEngine
+from parrot.sim.sim_engine import SimEngine
 from parrot.sim.runner import SimRunner
 from parrot.sim.tokenizer import EOS, WordTokenizer
 

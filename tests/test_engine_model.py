@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from parrot.common.sampling import SamplingParams
-from parrot.engine.builder import build_engine
+from parrot.engine.loader.builder import build_engine
 from parrot.engine.settings import EngineSettings
 
 pytestmark = pytest.mark.model
@@ -31,7 +31,7 @@ N_NEW = 16
 @pytest.fixture(scope="module")
 def model_path():
     from parrot.common.errors import ModelNotFound
-    from parrot.engine.model_files import default_model_path
+    from parrot.engine.files.model_files import default_model_path
 
     try:
         return default_model_path()

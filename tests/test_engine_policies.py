@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import pytest
 
 from parrot.common.sampling import SamplingParams
-from parrot.engine.context import Context, Op, OpKind
-from parrot.engine.interface import OpHint, ToolHint
+from parrot.engine.runtime.context import Context, Op, OpKind
+from parrot.protocol.interface import OpHint, ToolHint
 from parrot.engine.kv_cache.block_pool import BlockPool
 from parrot.engine.scheduler import policies
 from parrot.engine.scheduler.policies import EnginePolicy, EngineView, make_engine_policy
@@ -85,7 +85,7 @@ def test_a_registered_policy_is_a_setting_and_a_serve_flag(newest_first):
 
 
 def test_a_registered_policy_runs_in_the_builtin_engine(newest_first):
-    from parrot.engine.builder import build_engine
+    from parrot.engine.loader.builder import build_engine
     from parrot.engine.settings import EngineSettings
 
     eng = build_engine(EngineSettings(random_model="tiny", dtype="float32", weight_quant="none", kv_dtype="float32",
@@ -102,7 +102,7 @@ def test_a_registered_policy_runs_in_the_builtin_engine(newest_first):
 
 
 def test_a_registered_policy_runs_in_the_simulator(newest_first):
-    from parrot.sim.engine import SimEngine
+    from parrot.sim.sim_engine import SimEngine
     from parrot.sim.vloop import run_virtual
 
     cost = CostModel(name="t", base_s=0.01, prefill_token_s=0.0, prefill_attn_s=0.0, decode_row_s=0.0,

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from parrot.api.app import create_app
 from parrot.api.settings import ServerSettings
-from parrot.engine.server import create_engine_app
+from parrot.engine.server.app import create_engine_app
 from fakes import FakeEngine
 from servers import serve
 

@@ -18,11 +18,11 @@ from parrot.api.app import create_app
 from parrot.api.settings import ServerSettings
 from parrot.common.errors import BadSamplingParams, ContextLengthExceeded, EngineError, UnknownContext
 from parrot.common.sampling import FinishReason, SamplingParams
-from parrot.engine.builder import build_engine
-from parrot.engine.http_client import HTTPEngineClient
-from parrot.engine.local_client import LocalEngineClient
+from parrot.engine.loader.builder import build_engine
+from parrot.engine.clients.http_client import HTTPEngineClient
+from parrot.engine.clients.local_client import LocalEngineClient
 from parrot.engine.models.assembly import build_random_model
-from parrot.engine.server import EngineServerSettings, create_engine_app
+from parrot.engine.server.app import EngineServerSettings, create_engine_app
 from parrot.engine.settings import EngineSettings
 from parrot.frontend.local import LocalServer
 from fakes import FakeEngine
@@ -117,7 +117,7 @@ def test_engine_registers_with_manager(default_tokenizer):  # noqa: F811
 
 
 def test_engine_server_loads_neither_the_api_nor_the_manager():
-    code = ("import sys, parrot.engine.server; "
+    code = ("import sys, parrot.engine.server.app; "
             "loaded = sorted(m for m in sys.modules if m.startswith(('parrot.api', 'parrot.manager'))); "
             "assert not loaded, loaded")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -217,7 +217,7 @@ def _live(url: str) -> set[str]:
 def test_killed_engine_process_requests_rerun_on_the_survivor(tmp_path, default_model_path):
     from parrot.api.app import create_app
     from parrot.api.settings import ServerSettings
-    from parrot.engine.procs import EngineProcess, start_engines, stop_all
+    from parrot.engine.server.procs import EngineProcess, start_engines, stop_all
     from parrot.frontend.client import connect
     from parrot.frontend.function import Output, SemanticFunction
     from parrot.frontend.local import LocalServer
@@ -326,7 +326,7 @@ def test_parrot_serve_starts_engine_children_that_die_with_it(default_model_path
     import subprocess
     import sys
 
-    from parrot.engine.procs import free_port
+    from parrot.engine.server.procs import free_port
 
     port = free_port()
     cmd = [sys.executable, "-m", "parrot.cli", "--log-level", "WARNING", "serve", "--engines", "2", "--port",

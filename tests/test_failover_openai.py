@@ -172,7 +172,7 @@ def test_stream_error_event_over_http():
 def test_killed_engine_process_completion_reruns_on_the_survivor(tmp_path, default_model_path):
     from parrot.api.app import create_app
     from parrot.api.settings import ServerSettings
-    from parrot.engine.procs import start_engines, stop_all
+    from parrot.engine.server.procs import start_engines, stop_all
     from parrot.frontend.local import LocalServer
 
     app = create_app(ServerSettings(engine_heartbeat_s=0.5, heartbeat_timeout_s=5, engine_secret=SECRET), [])

@@ -86,7 +86,7 @@ def test_text_ids_cut_and_bos():
 
 
 def test_the_text_is_long_enough(default_model_path):
-    from parrot.engine.tokenizer import load_tokenizer
+    from parrot.engine.files.tokenizer import load_tokenizer
 
     text = fa.load_text()
     assert text.startswith("In Congress, July 4, 1776.") and "sacred Honor." in text

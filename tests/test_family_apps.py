@@ -70,7 +70,7 @@ def s_model(session) -> str:
 
 def _token_bytes(hf_tok, token: str) -> bytes:
     """The bytes an HF byte-level BPE token stands for (an added token: its text)."""
-    from parrot.engine.tokenizer import bytes_to_unicode
+    from parrot.engine.files.tokenizer import bytes_to_unicode
 
     if token in hf_tok.get_added_vocab():
         return token.encode()

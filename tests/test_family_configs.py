@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from parrot.engine.config import config_from_hf
+from parrot.engine.files.config import config_from_hf
 
 QWEN25_05B = {"architectures": ["Qwen2ForCausalLM"], "bos_token_id": 151643, "eos_token_id": 151645,
               "hidden_act": "silu", "hidden_size": 896, "intermediate_size": 4864, "max_position_embeddings": 32768,

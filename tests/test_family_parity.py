@@ -17,8 +17,8 @@ import torch
 from family_models import (FAMILIES, hf_greedy, hf_logits, hf_model, our_logits, save_hf_dir, word_tokenizer,
                            write_gguf)
 from parrot.common.sampling import SamplingParams
-from parrot.engine.builder import build_engine
-from parrot.engine.config import read_model_config
+from parrot.engine.loader.builder import build_engine
+from parrot.engine.files.config import read_model_config
 from parrot.engine.models.assembly import load_model
 from parrot.engine.settings import EngineSettings
 
@@ -74,7 +74,7 @@ ENGINE_PATHS = {
 def make_engine(model, kernel: str, **kw):
     if kernel == "native":
         pytest.importorskip("parrot.engine.kernels")
-        from parrot.engine.cpu import probe_cpu
+        from parrot.engine.runtime.cpu import probe_cpu
 
         if not {"avx2", "fma"} <= probe_cpu().flags:
             pytest.skip("the avx2 plan needs AVX2 + FMA")
@@ -209,7 +209,7 @@ def test_default_plan_runs_every_family(family) -> None:
     """This CPU's default numerics plan (on AVX2: the quantized matmul on Q8_0 weights and an fp16 KV cache; on
     AVX512-BF16: dense bf16 weights, the GGUF being F32) serves every family through the engine: greedy
     continuations mostly equal fp32's."""
-    from parrot.engine.builder import plan_for
+    from parrot.engine.loader.builder import plan_for
     from parrot.engine.layers.linear import MatmulKernels
 
     name, ref, paths = family

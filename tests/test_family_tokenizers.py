@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from parrot.engine.tokenizer import load_tokenizer
+from parrot.engine.files.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -41,7 +41,7 @@ def qwen_files(tmp_path_factory):
     """(HF tokenizer, HF dir, GGUF path) of a tiny Qwen2-style tokenizer."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-    from parrot.engine.tokenizer import _QWEN2_SPLIT
+    from parrot.engine.files.tokenizer import _QWEN2_SPLIT
 
     backend = Tokenizer(models.BPE())
     backend.normalizer = normalizers.NFC()
@@ -203,7 +203,7 @@ def test_engine_serves_a_qwen_dir_end_to_end(qwen_files, tmp_path) -> None:
 
     from family_models import hf_greedy, hf_model, save_hf_dir
     from parrot.common.sampling import SamplingParams
-    from parrot.engine.builder import build_engine
+    from parrot.engine.loader.builder import build_engine
     from parrot.engine.settings import EngineSettings
 
     hf_tok, hf_dir, _ = qwen_files

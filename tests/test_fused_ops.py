@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parrot.engine.config import ModelConfig
+from parrot.engine.files.config import ModelConfig
 from parrot.engine.models.assembly import build_random_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

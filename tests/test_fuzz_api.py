@@ -17,10 +17,10 @@ from schemathesis.checks import not_a_server_error, response_schema_conformance
 
 from parrot.api.app import create_app
 from parrot.api.settings import ServerSettings
-from parrot.engine.builder import build_engine
-from parrot.engine.local_client import LocalEngineClient
+from parrot.engine.loader.builder import build_engine
+from parrot.engine.clients.local_client import LocalEngineClient
 from parrot.engine.models.assembly import build_random_model
-from parrot.engine.server import create_engine_app
+from parrot.engine.server.app import create_engine_app
 from parrot.engine.settings import EngineSettings
 from fakes import FakeEngine
 from test_engine import TINY
@@ -52,8 +52,8 @@ def test_manager_api(case, manager_running):
 
 def _engine_app():
     model = build_random_model(TINY, dtype=torch.float32, seed=0)
-    from parrot.engine.model_files import default_model_path
-    from parrot.engine.tokenizer import load_tokenizer
+    from parrot.engine.files.model_files import default_model_path
+    from parrot.engine.files.tokenizer import load_tokenizer
 
     try:
         tok = load_tokenizer(default_model_path())

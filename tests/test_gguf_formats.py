@@ -14,7 +14,7 @@ from family_models import our_logits
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
-from parrot.engine.config import read_model_config
+from parrot.engine.files.config import read_model_config
 from parrot.engine.layers.linear import MatmulKernels
 from parrot.engine.layers.quant import ActNumerics, QuantWeight, quant_kernel
 from parrot.engine.models.assembly import load_model

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from parrot.engine.context import Context
+from parrot.engine.runtime.context import Context
 from parrot.engine.kv_cache.block_pool import BlockPool
 from parrot.engine.kv_cache.host_store import HostStore
 from parrot.engine.kv_cache.manager import KVManager

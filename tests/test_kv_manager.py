@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from parrot.engine.context import Context
+from parrot.engine.runtime.context import Context
 from parrot.engine.kv_cache.block_pool import BlockPool
 from parrot.engine.kv_cache.manager import ContextKV, KVBlocks, KVManager
 
@@ -218,7 +218,7 @@ def test_only_the_kv_manager_writes_kv_state():
 
 def test_scheduler_kv_accounting_and_dag_import_no_torch():
     code = ("import sys\n"
-            "import parrot.engine.scheduler.scheduler, parrot.engine.kv_cache.manager, parrot.engine.core\n"
-            "import parrot.engine.decode_groups, parrot.manager.graph\n"
+            "import parrot.engine.scheduler.scheduler, parrot.engine.kv_cache.manager, parrot.engine.runtime.core\n"
+            "import parrot.engine.runtime.decode_groups, parrot.manager.graph\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=PARROT.parent)

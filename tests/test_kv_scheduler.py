@@ -3,7 +3,7 @@
 import pytest
 
 from parrot.common.sampling import SamplingParams
-from parrot.engine.context import OP_TRANSITIONS, Context, IllegalOpTransition, Op, OpKind, OpStatus
+from parrot.engine.runtime.context import OP_TRANSITIONS, Context, IllegalOpTransition, Op, OpKind, OpStatus
 from parrot.engine.kv_cache.block_pool import BlockPool, OutOfBlocks
 from parrot.engine.scheduler.scheduler import Scheduler, TooLargeForPool
 from status_tables import walk_transitions
@@ -135,7 +135,7 @@ def test_uncompute_tail_does_not_write_shared_block():
 
 
 def test_prefix_cache_reuses_released_blocks_and_evicts_lru():
-    from parrot.engine.kv_cache.block_pool import chain_hashes
+    from parrot.protocol.block_hashes import chain_hashes
 
     pool = BlockPool(6, 4)
     toks = list(range(100, 112))  # 3 full blocks

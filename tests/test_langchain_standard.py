@@ -79,7 +79,7 @@ def parrot_server(default_model_path) -> Iterator[tuple[str, str]]:
     from servers import serve
 
     from parrot.api import ServerSettings, create_app
-    from parrot.engine.builder import build_local_engine_client
+    from parrot.engine.loader.builder import build_local_engine_client
     from parrot.engine.settings import EngineSettings
 
     engine = build_local_engine_client(EngineSettings(model=default_model_path, kv_cache_tokens=8192, num_threads=1))

@@ -113,3 +113,21 @@ def test_the_check_names_file_and_line(rel, source, line, module):
 ])
 def test_allowed_imports_pass(rel, source):
     assert violations(source, rel) == []
+
+
+# ---- the engine contract ------------------------------------------------------------------------------------------
+CONTRACT_USERS = ("manager", "protocol", "common")  # they speak to engines through parrot.protocol only
+
+
+def test_the_manager_speaks_to_engines_through_the_protocol_only():
+    """parrot.manager, parrot.protocol and parrot.common never import parrot.engine: what they need of an engine (the
+    EngineClient interface, its data and wire form, status metrics, block hashes) is the contract, parrot.protocol."""
+    found = []
+    for layer in CONTRACT_USERS:
+        for path in sorted((ROOT / "parrot" / layer).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            for line, names in imported_modules(path.read_text(encoding="utf-8"), rel):
+                hit = next((n for n in names if _within(n, "parrot.engine")), None)
+                if hit is not None:
+                    found.append(f"{rel}:{line}: imports {hit}")
+    assert not found, "the engine contract is parrot.protocol:\n" + "\n".join(found)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parrot.engine.cpu import CpuInfo, CpuPath
+from parrot.engine.runtime.cpu import CpuInfo, CpuPath
 from parrot.engine.layers import linear as linear_mod
 from parrot.engine.layers.int4 import INT4_MAX_ROWS, INT4_MAX_ROWS_PACKED, Int4Weight
 from parrot.engine.layers.int8 import INT8_MAX_ROWS, Int8Weight
@@ -15,7 +15,7 @@ from parrot.engine.layers.linear import LinearPath, MatmulKernels, choose_path
 from parrot.engine.layers.packed import PackedBf16Weight, VnniKernel, VnniWeight
 from parrot.engine.layers.quant import ActNumerics, QuantKernel, QuantWeight
 from parrot.engine.layers.weight import DenseWeight
-from parrot.engine.numerics import make_plan
+from parrot.engine.runtime.numerics import make_plan
 
 CPU = CpuInfo(arch="x86_64", model="synthetic", flags=frozenset({"avx512_vnni"}))
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -108,7 +108,7 @@ def test_this_machines_engine_builds_its_plans_paths(native_kernel) -> None:
     """An engine on this machine (the tiny random model: float weights) holds, per matmul, the path choose_path
     gives for its plan, and one weight form each: the quantized kernel on the fp32 plans, VNNI on the bf16 ones,
     no native kernel on the torch plan (attention_kernel="torch")."""
-    from parrot.engine.builder import build_engine, plan_for
+    from parrot.engine.loader.builder import build_engine, plan_for
     from parrot.engine.settings import EngineSettings
 
     for mode in ("auto", "torch"):

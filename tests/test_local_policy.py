@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from parrot.engine.context import Context, Op, OpKind
+from parrot.engine.runtime.context import Context, Op, OpKind
 from parrot.engine.kv_cache.block_pool import BlockPool
 from parrot.engine.scheduler.policies import EnginePolicyConfig, make_engine_policy
 from parrot.engine.scheduler.policies.preble import preble_order, priority_group

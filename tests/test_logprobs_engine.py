@@ -13,11 +13,11 @@ import torch.nn.functional as F
 
 from parrot.common.errors import BadSamplingParams
 from parrot.common.sampling import PositionLogprobs, SamplingParams
-from parrot.engine.builder import build_engine
-from parrot.engine.http_client import HTTPEngineClient
-from parrot.engine.local_client import LocalEngineClient
+from parrot.engine.loader.builder import build_engine
+from parrot.engine.clients.http_client import HTTPEngineClient
+from parrot.engine.clients.local_client import LocalEngineClient
 from parrot.engine.models.assembly import build_random_model
-from parrot.engine.server import create_engine_app
+from parrot.engine.server.app import create_engine_app
 from parrot.engine.settings import EngineSettings
 from test_engine import TINY, default_tokenizer  # noqa: F401  (fixture)
 
@@ -144,8 +144,8 @@ def test_logprobs_reflect_the_penalized_logits(engine, tiny_model):
 def test_sampler_logprobs_are_taken_after_penalties_and_before_temperature():
     """The sampler on designed logits: the seen tokens are the most likely ones, so the penalties reorder the top;
     temperature and top-k change the draw, not the reported numbers."""
-    from parrot.engine.context import Context, Op, OpKind
-    from parrot.engine.sampler import Sampler
+    from parrot.engine.runtime.context import Context, Op, OpKind
+    from parrot.engine.runtime.sampler import Sampler
 
     vocab = 50
     logits = torch.linspace(4.0, -4.0, vocab).unsqueeze(0)  # token 0 most likely
@@ -380,7 +380,7 @@ def test_http_engine_client_round_trips_logprobs(engine):
 
 
 def test_the_simulator_refuses_logprobs_by_name():
-    from parrot.sim.engine import SimEngine
+    from parrot.sim.sim_engine import SimEngine
     from parrot.sim.vloop import run_virtual
     from test_sim_core import TINY as SIM_COST
 
@@ -423,7 +423,7 @@ def test_token_bytes_of_a_sentencepiece_style_vocabulary():
     from tokenizers import Tokenizer as Backend
     from tokenizers import models
 
-    from parrot.engine.tokenizer import Tokenizer
+    from parrot.engine.files.tokenizer import Tokenizer
 
     vocab = {"<unk>": 0, "▁hello": 1, "<0xE2>": 2, "<0x9C>": 3, "<0x93>": 4, "world": 5}
     tok = Tokenizer(Backend(models.WordLevel(vocab, unk_token="<unk>")), bos_token_id=None, eos_token_ids=(),

@@ -340,8 +340,8 @@ REAL_SYS = ("You are the support assistant of the Parrot Hotel in Lisbon. The ho
 @pytest.mark.model
 def test_real_engine_outputs_identical_with_sharing_and_fewer_tokens_computed():
     from parrot.common.errors import ModelNotFound
-    from parrot.engine.builder import build_local_engine_client
-    from parrot.engine.model_files import default_model_path
+    from parrot.engine.loader.builder import build_local_engine_client
+    from parrot.engine.files.model_files import default_model_path
     from parrot.engine.settings import EngineSettings
 
     try:

@@ -21,7 +21,7 @@ import pytest
 
 import parrot as P
 from engine_procs import SECRET, TINY_ENGINE, wait_until
-from parrot.engine.procs import free_port
+from parrot.engine.server.procs import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LONG = 1500  # tokens of the step that is in flight at the kill (ignore_eos: always this long; long enough that

@@ -16,8 +16,8 @@ from parrot.api import ServerSettings, create_app
 from parrot.common.errors import StepFailed
 from parrot.common.log_context import ContextFilter, JsonFormatter, configure_logging, set_log_context
 from parrot.common.perf import PerfCriteria
-from parrot.engine.interface import EngineStatus
-from parrot.engine.metrics import NAMES, render_status, status_families
+from parrot.protocol.interface import EngineStatus
+from parrot.protocol.metrics import NAMES, render_status, status_families
 from parrot.manager import Manager
 from parrot.manager.completion_types import ChoiceSpec, CompletionSpec
 from parrot.manager.completions import CompletionService

@@ -14,12 +14,12 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from parrot.common.errors import ModelNotFound
-from parrot.engine.config import ModelConfig, config_from_hf, read_model_config
+from parrot.engine.files.config import ModelConfig, config_from_hf, read_model_config
 from parrot.engine.layers.int8 import INT8_MAX_ROWS, Int8Weight, quantize_int8
 from parrot.engine.layers.linear import Linear, MatmulKernels, make_linear
 from parrot.engine.layers.weight import DenseWeight
 from parrot.engine.loader import to_interleaved
-from parrot.engine.model_files import default_model_path, resolve_model_path
+from parrot.engine.files.model_files import default_model_path, resolve_model_path
 from parrot.engine.models import build_random_model, load_model
 from parrot.engine.models.assembly import assemble_model, random_weights
 
@@ -64,8 +64,8 @@ def test_default_model_config(default_model_path: str) -> None:
 
 @pytest.mark.model
 def test_config_and_model_files_do_not_import_torch(default_model_path: str) -> None:
-    code = ("import sys\nfrom parrot.engine.config import read_model_config\n"
-            "from parrot.engine.model_files import default_model_path\n"
+    code = ("import sys\nfrom parrot.engine.files.config import read_model_config\n"
+            "from parrot.engine.files.model_files import default_model_path\n"
             "read_model_config(default_model_path())\nassert 'torch' not in sys.modules, 'torch imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 

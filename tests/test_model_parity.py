@@ -14,18 +14,18 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from parrot.engine.config import ModelConfig, read_model_config
-from parrot.engine.cpu import CpuPath, probe_cpu
+from parrot.engine.files.config import ModelConfig, read_model_config
+from parrot.engine.runtime.cpu import CpuPath, probe_cpu
 from parrot.engine.layers.linear import MatmulKernels
 from parrot.engine.layers.packed import packed_gemm_available
 from parrot.engine.layers.quant import QuantWeight
 from parrot.engine.layers.weight import FewRowsWeight
 from parrot.engine.loader import iter_weights
-from parrot.engine.numerics import make_plan
+from parrot.engine.runtime.numerics import make_plan
 from parrot.engine.models import build_random_model, load_model
 from parrot.engine.models.assembly import assemble_model
 from parrot.engine.models.decoder import CausalLM
-from parrot.engine.tokenizer import load_tokenizer
+from parrot.engine.files.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -11,8 +11,8 @@ import pytest
 
 from parrot.bench import model_zoo
 from parrot.bench.model_zoo import SHAPES, Padding, write_padded_gguf, write_random_gguf
-from parrot.engine.config import read_model_config
-from parrot.engine.gguf_file import GGUFFile
+from parrot.engine.files.config import read_model_config
+from parrot.engine.files.gguf_file import GGUFFile
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -132,7 +132,7 @@ def test_padding_preserves_our_logits(default_model_path, tmp_path):
     ref_norm = next(ref.raw(x).view(np.float32).reshape(-1) for x in ref.tensors if x.name == "blk.2.ffn_norm.weight")
     np.testing.assert_allclose(t["blk.2.ffn_norm.weight"][:576], ref_norm * np.float32(math.sqrt(0.75)), rtol=1e-6)
 
-    from parrot.engine.tokenizer import load_tokenizer
+    from parrot.engine.files.tokenizer import load_tokenizer
 
     tok = load_tokenizer(padded)
     prompts = [tok.encode(p) for p in model_zoo.CHECK_PROMPTS[:2]]

@@ -29,8 +29,8 @@ import pytest
 
 from parrot.common.errors import EngineUnavailable, OpIdConflict
 from parrot.common.sampling import SamplingParams
-from parrot.engine.http_client import CallPolicy, HTTPEngineClient
-from parrot.engine.procs import EngineProcess, free_port, stop_all
+from parrot.engine.clients.http_client import CallPolicy, HTTPEngineClient
+from parrot.engine.server.procs import EngineProcess, free_port, stop_all
 from engine_procs import SECRET, TINY_ENGINE, wait_until
 
 NO_CACHE = [*TINY_ENGINE, "--no-enable-prefix-cache"]  # every run computes afresh: outputs comparable run to run
@@ -352,7 +352,7 @@ def test_hung_then_killed_engine_work_moves_with_the_same_outputs(tmp_path, defa
 
 
 def test_op_memo_runs_an_op_once_answers_repeats_and_forgets_after_its_ttl():
-    from parrot.engine.op_memo import OpMemo
+    from parrot.engine.server.op_memo import OpMemo
 
     now = [0.0]
     memo = OpMemo(ttl_s=10, max_entries=2, clock=lambda: now[0])

@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from parrot.api import ServerSettings, create_app
-from parrot.engine.interface import GenerateResult
+from parrot.protocol.interface import GenerateResult
 from fakes import BOS, EOS, TAIL, FakeEngine
 
 MODEL = "fake-model"

@@ -12,7 +12,7 @@ import json
 from fastapi.testclient import TestClient
 
 from parrot.api import ServerSettings, create_app
-from parrot.engine.interface import ToolHint
+from parrot.protocol.interface import ToolHint
 from test_tool_calls_dag import PausingEngine, record_pauses
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
@@ -93,7 +93,7 @@ def test_engine_without_pause_support_frees():
 
 
 def test_tiny_engine_follow_up_resumes_the_paused_context():
-    from parrot.engine.builder import build_local_engine_client
+    from parrot.engine.loader.builder import build_local_engine_client
     from parrot.engine.settings import EngineSettings
 
     client = build_local_engine_client(EngineSettings(random_model="tiny", dtype="float32", kv_cache_tokens=4096,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from family_models import our_logits
 
-from parrot.engine.config import read_model_config
+from parrot.engine.files.config import read_model_config
 from parrot.engine.layers.quant import QuantEmbedding, QuantWeight
 from parrot.engine.loader import iter_weights
 from parrot.engine.loader.pack_cache import PackCache, cache_key, for_model
@@ -43,7 +43,7 @@ def test_second_load_maps_the_cache_and_computes_the_same(ops, default_model_pat
 
 def test_untied_quantized_table_is_cached_too(ops, tmp_path) -> None:
     """A model whose token table is its own quantized tensor: the table's packed form is an entry as well."""
-    from parrot.engine.config import ModelConfig
+    from parrot.engine.files.config import ModelConfig
     from parrot.engine.layers.linear import MatmulKernels
     from parrot.engine.layers.quant import QTensor, quantize_float
     from parrot.engine.models.assembly import random_weights

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from parrot.common.sampling import SamplingParams
-from parrot.engine.builder import build_engine
-from parrot.engine.config import ModelConfig
+from parrot.engine.loader.builder import build_engine
+from parrot.engine.files.config import ModelConfig
 from parrot.engine.models.assembly import build_random_model
 from parrot.engine.settings import EngineSettings
 
@@ -97,8 +97,8 @@ def test_engine_native_and_torch_paths_agree(native_kernel, kv_dtype):
     """Concurrent greedy generations, plain and forked (shared-prefix groups), give the same tokens whichever
     attention path decodes them (fp32 compute; KV stored in fp32, or in fp16 as the integer-dot CPU paths keep
     it: the torch path then converts what it reads)."""
-    from parrot.engine.tokenizer import load_tokenizer
-    from parrot.engine.model_files import default_model_path
+    from parrot.engine.files.tokenizer import load_tokenizer
+    from parrot.engine.files.model_files import default_model_path
 
     tok = load_tokenizer(default_model_path())
     model = build_random_model(SMALL, dtype=torch.float32, seed=1)
@@ -130,7 +130,7 @@ def test_engine_native_and_torch_paths_agree(native_kernel, kv_dtype):
 def test_argmax_rows_matches_argmax(vocab, dtype):
     """The sampler's chunked greedy argmax equals torch's argmax, incl. ties (first index wins) and a maximum in
     the short last chunk."""
-    from parrot.engine.sampler import argmax_rows
+    from parrot.engine.runtime.sampler import argmax_rows
 
     torch.manual_seed(vocab)
     x = torch.randn(8, vocab)

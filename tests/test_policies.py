@@ -10,7 +10,7 @@ import pytest
 
 from parrot.common.perf import PerfCriteria, PinnedTargets
 from parrot.common.sampling import SamplingParams
-from parrot.engine.context import Context, Op, OpKind
+from parrot.engine.runtime.context import Context, Op, OpKind
 from parrot.engine.kv_cache.block_pool import BlockPool
 from parrot.engine.scheduler.scheduler import Scheduler
 from parrot.manager import EngineRegistry

@@ -8,8 +8,9 @@ from dataclasses import replace
 import pytest
 
 from parrot.common.step_cost import StepCost
-from parrot.engine.interface import EngineStatus
-from parrot.engine.kv_cache.block_pool import BlockPool, chain_hashes
+from parrot.protocol.interface import EngineStatus
+from parrot.engine.kv_cache.block_pool import BlockPool
+from parrot.protocol.block_hashes import chain_hashes
 from parrot.manager.manager import ManagerConfig
 from parrot.manager.perf_deduction import SchedInfo
 from parrot.manager.policies import POLICY_NAMES, AppCentricWithE2, E2Config, E2Policy, RoundRobinPolicy, make_policy

@@ -19,7 +19,7 @@ ENGINE_ARGS = [a for i, a in enumerate(TINY_ENGINE)
 def test_engine_eviction_notices_reach_e2_through_heartbeats(tmp_path, default_model_path):
     from parrot.api.app import create_app
     from parrot.api.settings import ServerSettings
-    from parrot.engine.procs import start_engines, stop_all
+    from parrot.engine.server.procs import start_engines, stop_all
     from parrot.frontend.local import LocalServer
     from parrot.manager.policies import E2Policy
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from parrot.engine.context import Context, Op, OpKind
+from parrot.engine.runtime.context import Context, Op, OpKind
 from parrot.engine.kv_cache.block_pool import BlockPool
 from parrot.engine.kv_cache.prompt_logprobs import match_limit
 from parrot.engine.scheduler.policies import make_engine_policy

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parrot.engine.builder import build_engine
+from parrot.engine.loader.builder import build_engine
 from parrot.engine.settings import EngineSettings
 
 

@@ -189,7 +189,7 @@ def test_quant_weight_and_embedding_objects(ops, variants) -> None:
 def test_the_default_gguf_is_packed_from_its_own_bytes(ops, default_model_path) -> None:
     """SmolLM2's Q4_1 matrices and Q8_0 token table, straight from the mapped file: packed and read back, they are
     gguf's dequantization of the file bit for bit."""
-    from parrot.engine.config import read_model_config
+    from parrot.engine.files.config import read_model_config
     from parrot.engine.loader import iter_weights
 
     seen = {}

@@ -15,10 +15,10 @@ import pytest
 
 from parrot.api import ServerSettings, create_app
 from parrot.common.log_context import ContextFilter
-from parrot.engine.context import Context, Op, OpKind
-from parrot.engine.interface import OpHint
+from parrot.engine.runtime.context import Context, Op, OpKind
+from parrot.protocol.interface import OpHint
 from parrot.engine.kv_cache.block_pool import BlockPool
-from parrot.engine.sampler import bad_word_tokens
+from parrot.engine.runtime.sampler import bad_word_tokens
 from parrot.engine.scheduler.scheduler import Scheduler
 from servers import serve
 
@@ -34,7 +34,7 @@ IM_START = 1  # <|im_start|>, a special token of the default model
 
 @pytest.fixture(scope="module")
 def real(default_model_path):
-    from parrot.engine.builder import build_local_engine_client
+    from parrot.engine.loader.builder import build_local_engine_client
     from parrot.engine.settings import EngineSettings
 
     engine = build_local_engine_client(EngineSettings(model=default_model_path, kv_cache_tokens=8192, num_threads=1))

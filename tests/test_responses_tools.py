@@ -33,7 +33,7 @@ RESULT = json.dumps({"temp_c": 18, "sky": "clear"})
 def real_server(default_model_path):
     """A real server on the default model; yields (base URL, the engine's recorded pauses)."""
     from parrot.api import ServerSettings, create_app
-    from parrot.engine.builder import build_local_engine_client
+    from parrot.engine.loader.builder import build_local_engine_client
     from parrot.engine.settings import EngineSettings
 
     engine = build_local_engine_client(EngineSettings(model=default_model_path, kv_cache_tokens=8192,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from parrot.engine import shared_prefix_choice as C
+from parrot.engine.runtime import shared_prefix_choice as C
 from parrot.engine.settings import EngineSettings
 
 SHAPES = dict(num_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float32, kv_dtype=torch.float32,

@@ -11,7 +11,7 @@ import pytest
 
 from parrot.common.errors import ContextLengthExceeded, UnknownContext
 from parrot.common.sampling import FinishReason, SamplingParams
-from parrot.engine.local_client import LocalEngineClient
+from parrot.engine.clients.local_client import LocalEngineClient
 from parrot.sim.cost_model import (
     GENERATED,
     GPUS,
@@ -23,7 +23,7 @@ from parrot.sim.cost_model import (
     load_model,
     roofline_model,
 )
-from parrot.sim.engine import SimEngine
+from parrot.sim.sim_engine import SimEngine
 from parrot.sim.tokenizer import EOS, GEN_TOKEN, OutputLengths, WordTokenizer
 from parrot.sim.vloop import VirtualDeadlock, run_virtual
 

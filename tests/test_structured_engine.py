@@ -15,12 +15,12 @@ import torch
 from parrot.common.constraints import Constraint
 from parrot.common.errors import BadSamplingParams
 from parrot.common.sampling import FinishReason, SamplingParams
-from parrot.engine.builder import build_engine
-from parrot.engine.guided import GrammarCompiler
-from parrot.engine.http_client import HTTPEngineClient
-from parrot.engine.local_client import LocalEngineClient
-from parrot.engine.sampler import apply_bitmask, mask_bias
-from parrot.engine.server import create_engine_app
+from parrot.engine.loader.builder import build_engine
+from parrot.engine.runtime.guided import GrammarCompiler
+from parrot.engine.clients.http_client import HTTPEngineClient
+from parrot.engine.clients.local_client import LocalEngineClient
+from parrot.engine.runtime.sampler import apply_bitmask, mask_bias
+from parrot.engine.server.app import create_engine_app
 from parrot.engine.settings import EngineSettings
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
@@ -205,7 +205,7 @@ def test_the_wire_carries_constraints(engine):
 
 
 def test_the_simulator_refuses_constraints_by_name():
-    from parrot.sim.engine import SimEngine
+    from parrot.sim.sim_engine import SimEngine
     from parrot.sim.vloop import run_virtual
     from test_sim_core import TINY as SIM_COST
 
@@ -225,7 +225,7 @@ def test_the_simulator_refuses_constraints_by_name():
 
 def test_json_whitespace_between_tokens_is_bounded(engine):
     """A model may pretty-print, but cannot run to max_tokens on blanks: at most 40 between two JSON tokens."""
-    from parrot.engine.guided import GrammarCompiler
+    from parrot.engine.runtime.guided import GrammarCompiler
 
     tok = engine.tokenizer
     space = tok.encode(" ")

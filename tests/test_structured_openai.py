@@ -88,7 +88,7 @@ def check_weather_args(arguments: str) -> None:
 # ---- server -----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def real(default_model_path):
-    from parrot.engine.builder import build_local_engine_client
+    from parrot.engine.loader.builder import build_local_engine_client
     from parrot.engine.settings import EngineSettings
 
     engine = build_local_engine_client(EngineSettings(model=default_model_path, kv_cache_tokens=8192, num_threads=1))

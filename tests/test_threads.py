@@ -1,4 +1,4 @@
-"""Pinning the engine's compute threads (parrot/engine/threads.py, kernels/threads.cpp): when it happens, and that
+"""Pinning the engine's compute threads (parrot/engine/runtime/threads.py, kernels/threads.cpp): when it happens, and that
 each intra-op thread then runs on its own CPU (in a subprocess: pinning is for the process's life)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from parrot.engine.threads import binding
+from parrot.engine.runtime.threads import binding
 
 
 def test_auto_pins_only_an_engine_that_owns_every_cpu() -> None:

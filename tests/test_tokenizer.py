@@ -7,7 +7,7 @@ import json
 import pytest
 
 from parrot.common.errors import TemplateError
-from parrot.engine.tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
+from parrot.engine.files.tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
 
 pytestmark = pytest.mark.model
 

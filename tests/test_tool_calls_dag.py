@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from parrot.api import ServerSettings, create_app
 from parrot.common.errors import InvalidRequestError, UnknownContext, UnknownVariable
-from parrot.engine.interface import PauseResult, ToolHint
+from parrot.protocol.interface import PauseResult, ToolHint
 from parrot.frontend.native import NativeFunction
 from parrot.manager import EngineRegistry, Manager, ManagerConfig
 from parrot.manager.graph import ToolDecl
@@ -287,7 +287,7 @@ def test_native_function_tool_arguments_are_checked():
 def test_tiny_engine_follow_up_reuses_the_paused_context_kv():
     """The builtin engine (tiny random model): S1's context is paused by the engine and S2's fill is served from
     its KV, every whole block of it, because S1's generated ids are reused rather than its text retokenized."""
-    from parrot.engine.builder import build_local_engine_client
+    from parrot.engine.loader.builder import build_local_engine_client
     from parrot.engine.settings import EngineSettings
 
     client = build_local_engine_client(EngineSettings(random_model="tiny", dtype="float32", kv_cache_tokens=2048,

@@ -13,9 +13,9 @@ import pytest
 
 from parrot.common.errors import UnknownContext
 from parrot.common.sampling import SamplingParams
-from parrot.engine.context import Context, Op, OpKind
-from parrot.engine.core import EngineCore
-from parrot.engine.interface import OpHint, PauseResult, ToolHint
+from parrot.engine.runtime.context import Context, Op, OpKind
+from parrot.engine.runtime.core import EngineCore
+from parrot.protocol.interface import OpHint, PauseResult, ToolHint
 from parrot.engine.kv_cache.block_pool import BlockPool
 from parrot.engine.kv_cache.host_store import HostStore
 from parrot.engine.scheduler.scheduler import Scheduler
@@ -260,7 +260,7 @@ def test_a_starving_op_goes_to_the_head_after_the_threshold():
 
 # ---- the tiny random model: swapped KV is bit-exact ---------------------------------------------------------------
 def _tiny(policy: EnginePolicy, **kw):
-    from parrot.engine.builder import build_engine
+    from parrot.engine.loader.builder import build_engine
     from parrot.engine.settings import EngineSettings
 
     eng = build_engine(EngineSettings(random_model="tiny", dtype="float32", weight_quant="none", kv_dtype="float32",
@@ -299,9 +299,9 @@ def test_swap_round_trip_continues_exactly_as_preserve():
 
 # ---- HTTP -----------------------------------------------------------------------------------------------------
 def test_http_pause_context_round_trip_and_hint_on_the_wire():
-    from parrot.engine.http_client import HTTPEngineClient
-    from parrot.engine.local_client import LocalEngineClient
-    from parrot.engine.server import create_engine_app
+    from parrot.engine.clients.http_client import HTTPEngineClient
+    from parrot.engine.clients.local_client import LocalEngineClient
+    from parrot.engine.server.app import create_engine_app
     from parrot.frontend.local import LocalServer
 
     eng = _tiny(make_engine_policy("preserve"))
@@ -360,7 +360,7 @@ def test_hint_wire_shapes_round_trip():
 
 
 def test_sim_engine_swap_costs_virtual_time_and_resumes_by_prefix():
-    from parrot.sim.engine import SimEngine
+    from parrot.sim.sim_engine import SimEngine
     from parrot.sim.vloop import run_virtual
 
     cost = CostModel(name="t", base_s=0.01, prefill_token_s=0.0, prefill_attn_s=0.0, decode_row_s=0.0,
@@ -387,7 +387,7 @@ def test_sim_engine_swap_costs_virtual_time_and_resumes_by_prefix():
 def test_an_idle_engine_frees_an_expired_pause_without_further_commands():
     import time
 
-    from parrot.engine import engine as engine_mod
+    from parrot.engine.runtime import engine_loop as engine_mod
 
     eng = _tiny(make_engine_policy("preserve"), tool_pause_ttl_s=0.2)
     try:

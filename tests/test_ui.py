@@ -19,7 +19,7 @@ import sys
 import httpx
 import pytest
 
-from parrot.engine.procs import free_port, wait_healthy
+from parrot.engine.server.procs import free_port, wait_healthy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHROMIUM = "/usr/bin/chromium"
@@ -95,7 +95,7 @@ def test_snapshot_shows_a_tenant_only_its_own_sessions(tmp_path):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from parrot.common.errors import ModelNotFound
-    from parrot.engine.model_files import default_model_path
+    from parrot.engine.files.model_files import default_model_path
 
     try:
         default_model_path()

@@ -28,7 +28,7 @@ import pytest
 import parrot as P
 from backend_servers import ROOT, parrot_serve
 from parrot.common.errors import EngineUnavailable, StepFailed
-from parrot.engine.procs import free_port, wait_healthy
+from parrot.engine.server.procs import free_port, wait_healthy
 
 log = logging.getLogger(__name__)
 

@@ -126,7 +126,7 @@ def test_vnni_weight_is_the_one_form_at_every_row_count(best, monkeypatch) -> No
 
 def test_engine_setting_torch_turns_the_native_matmul_off(best) -> None:
     """attention_kernel="torch" means pure torch everywhere: no layer keeps calling the native matmul."""
-    from parrot.engine.builder import build_engine
+    from parrot.engine.loader.builder import build_engine
     from parrot.engine.settings import EngineSettings
 
     layers = {}

@@ -23,7 +23,7 @@ from parrot.api.tenants import RateLimiter, TenantKeys
 from parrot.api.schemas import HealthResponse
 from parrot.api.settings import ServerSettings
 from parrot.drain import Drain, DrainMiddleware
-from parrot.engine.interface import EngineClient
+from parrot.protocol.interface import EngineClient
 from parrot.http_edge import install_error_handlers
 from parrot.manager.completions import CompletionService
 from parrot.manager.dispatcher import Policy

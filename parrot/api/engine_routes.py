@@ -35,8 +35,8 @@ from parrot.common.errors import (
     InvalidRequestError,
     NotFoundError,
 )
-from parrot.engine import wire
-from parrot.engine.http_client import HTTPEngineClient
+from parrot.protocol import wire
+from parrot.engine.clients.http_client import HTTPEngineClient
 from parrot.manager.manager import Manager
 
 router = APIRouter(prefix="/api/v1/engines", tags=["engines"])

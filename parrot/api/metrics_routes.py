@@ -10,7 +10,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from parrot.engine.metrics import CONTENT_TYPE
+from parrot.protocol.metrics import CONTENT_TYPE
 
 router = APIRouter(tags=["ops"])
 

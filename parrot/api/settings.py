@@ -7,7 +7,7 @@ import ipaddress
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from parrot.engine.http_client import CallPolicy
+from parrot.engine.clients.http_client import CallPolicy
 from parrot.manager.manager import ManagerConfig
 
 MAX_HTTP_LONG_POLL_S = 60.0  # the longest wait of one GET over HTTP (docs/api.md)
@@ -53,7 +53,7 @@ class ServerSettings(ManagerConfig, BaseSettings):
     local_engine: bool = Field(True, description="parrot serve without --engines / --backend: run the builtin engine "
                                "inside the server; --no-local-engine: a manager only, serving the engines that "
                                "register (parrot engine --manager-url; needs --engine-secret)")
-    # the network path to engines in other processes / on other hosts (parrot.engine.http_client.CallPolicy)
+    # the network path to engines in other processes / on other hosts (parrot.engine.clients.http_client.CallPolicy)
     engine_networks: str = Field("127.0.0.0/8,::1/128", description="comma-separated networks (CIDR) a registering "
                                  "engine's URL may point into (its host name resolved); e.g. 10.0.0.0/8 for engines "
                                  "on other hosts; 'any' = no restriction (the engine secret still applies)")

@@ -40,7 +40,7 @@ from parrot.common.errors import (
 )
 from parrot.common.sampling import FinishReason, SamplingParams
 from parrot.common.step_cost import StepStats
-from parrot.engine.interface import (
+from parrot.protocol.interface import (
     EngineCapabilities,
     EngineClient,
     EngineStatus,

@@ -10,7 +10,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-from parrot.engine.procs import free_port, wait_healthy
+from parrot.engine.server.procs import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_BINARY = ROOT / ".venv" / "llama.cpp" / "bin" / "llama-server"

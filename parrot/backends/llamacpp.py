@@ -30,7 +30,7 @@ import os
 from parrot.backends.base import Completion, Dialect, Load, Prompt, default_error, error_fields
 from parrot.common.errors import ContextLengthExceeded, EngineUnavailable, ParrotError
 from parrot.common.sampling import FinishReason, SamplingParams
-from parrot.engine.interface import ModelInfo
+from parrot.protocol.interface import ModelInfo
 
 _FINISH = {"eos": FinishReason.STOP, "word": FinishReason.STOP, "limit": FinishReason.LENGTH}
 

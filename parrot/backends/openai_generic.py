@@ -19,7 +19,7 @@ from parrot.backends.base import Completion, Dialect, Load, Prompt
 from parrot.backends.vllm import openai_finish
 from parrot.common.errors import EngineError
 from parrot.common.sampling import FinishReason, SamplingParams
-from parrot.engine.interface import ModelInfo
+from parrot.protocol.interface import ModelInfo
 
 
 class OpenAIDialect(Dialect):

@@ -26,7 +26,7 @@ from __future__ import annotations
 from parrot.backends.base import Completion, Dialect, Load, Prompt
 from parrot.common.errors import EngineError
 from parrot.common.sampling import FinishReason, SamplingParams
-from parrot.engine.interface import ModelInfo
+from parrot.protocol.interface import ModelInfo
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 

@@ -30,7 +30,7 @@ from parrot.backends.base import Completion, Dialect, Load, Prompt
 from parrot.backends.metrics import parse_prometheus
 from parrot.common.errors import ParrotError
 from parrot.common.sampling import FinishReason, SamplingParams
-from parrot.engine.interface import ModelInfo
+from parrot.protocol.interface import ModelInfo
 
 logger = logging.getLogger(__name__)
 FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}

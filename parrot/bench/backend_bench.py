@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 
 from parrot.backends.llama_server import binary_path, llama_server, running
-from parrot.engine.procs import free_port
+from parrot.engine.server.procs import free_port
 from parrot.bench.app_bench import measure, print_table
 from parrot.frontend.client import connect
 from parrot.workloads.apps import APPS, DEFAULT_DOCUMENT
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     args = parse_args(argv)
     from parrot.bench.machine import describe_cpu
-    from parrot.engine.model_files import resolve_model_path
+    from parrot.engine.files.model_files import resolve_model_path
 
     if not Path(args.llama_server).exists():
         raise SystemExit(f"backend_bench: {args.llama_server} missing: run `bash scripts/install-llama-server.sh`")

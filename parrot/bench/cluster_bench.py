@@ -45,7 +45,7 @@ from parrot.bench.app_bench import BackgroundLoad
 from parrot.bench.apps import run_baseline
 from parrot.bench.machine import describe_cpu
 from parrot.common.report import format_conditions, format_table, ratio, save_bar_panels, save_json
-from parrot.engine.procs import free_port
+from parrot.engine.server.procs import free_port
 from parrot.frontend.client import connect
 from parrot.frontend.function import Output, SemanticFunction
 from parrot.frontend.variable import SemanticVariable

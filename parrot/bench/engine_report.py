@@ -1,4 +1,4 @@
-"""The engine benchmark's summary (parrot.bench.engine): ratios of every ours variant to every peer, share of the
+"""The engine benchmark's summary (parrot.bench.engine_bench): ratios of every ours variant to every peer, share of the
 machine's measured peaks, the printed tables and the saved JSON / PNG."""
 
 from __future__ import annotations

@@ -156,7 +156,7 @@ def ours_rows(path: str, ids: list[int], threads: int, settings: dict,
 
     import torch
 
-    from parrot.engine.builder import build_engine
+    from parrot.engine.loader.builder import build_engine
     from parrot.engine.settings import EngineSettings
 
     if mode not in MODES:
@@ -258,7 +258,7 @@ def _worker_cmd(args, worker: str, model: str, ids_file: str, out_npy: str, buff
 
 
 def _run(args, worker: str, model: str, ids_file: str, out_npy: str) -> dict:
-    from parrot.bench.engine import run_subprocess
+    from parrot.bench.engine_bench import run_subprocess
 
     res, rss, err = run_subprocess(_worker_cmd(args, worker, model, ids_file, out_npy, args.llama_buffers),
                                    args.worker_timeout, args.threads)
@@ -276,7 +276,7 @@ def evaluate_file(args, path: str, tmp: str) -> dict:
     """Both systems on one file and the comparison; errors are recorded, not raised."""
     from parrot.bench.model_zoo import tensor_type_counts
     from parrot.bench.peers import gguf_file_type
-    from parrot.engine.tokenizer import load_tokenizer
+    from parrot.engine.files.tokenizer import load_tokenizer
 
     out: dict = {"file": os.path.basename(path), "path": os.path.abspath(path),
                  "mib": round(os.path.getsize(path) / 2**20, 1), "file_type": gguf_file_type(path),
@@ -399,7 +399,7 @@ def render(data: dict) -> str:
 def run_all(args) -> dict:
     import llama_cpp
 
-    from parrot.engine.builder import plan_for
+    from parrot.engine.loader.builder import plan_for
     from parrot.engine.settings import EngineSettings
 
     from parrot.bench.machine import describe_machine

@@ -104,7 +104,7 @@ async def _round(engine, journal: Journal, apps: int, tag: str, max_tokens: int)
 
 
 async def run(args: argparse.Namespace) -> dict:
-    from parrot.engine.builder import build_local_engine_client
+    from parrot.engine.loader.builder import build_local_engine_client
     from parrot.engine.settings import EngineSettings
 
     settings = EngineSettings(random_model="tiny", dtype="float32", weight_quant="none") if args.tiny \

@@ -33,7 +33,7 @@ class Bench:
     """The engine under test and fresh random prompts (token ids drawn from the vocabulary's ordinary range)."""
 
     def __init__(self, max_batch: int, seed: int) -> None:
-        from parrot.engine.builder import build_engine
+        from parrot.engine.loader.builder import build_engine
         from parrot.engine.settings import EngineSettings
 
         self.settings = EngineSettings(max_num_seqs=max(max_batch, EngineSettings().max_num_seqs))

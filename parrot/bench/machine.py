@@ -100,7 +100,7 @@ def measure_peak(threads: int, *, matmul_n: int = 2048, mem_mib: int = 1024, rep
     per timed run, ``min(repeats, 3)`` runs)."""
     import torch
 
-    from parrot.engine.cpu import CpuPath, probe_cpu
+    from parrot.engine.runtime.cpu import CpuPath, probe_cpu
 
     torch.set_num_threads(threads)
     has_bf16 = CpuPath.AVX512_BF16 in probe_cpu().paths()
@@ -117,16 +117,16 @@ def measure_peak(threads: int, *, matmul_n: int = 2048, mem_mib: int = 1024, rep
 
 
 def cpu_model() -> str:
-    """The CPU's model name (parrot.engine.cpu's probe: /proc/cpuinfo, else platform.processor())."""
-    from parrot.engine.cpu import probe_cpu
+    """The CPU's model name (parrot.engine.runtime.cpu's probe: /proc/cpuinfo, else platform.processor())."""
+    from parrot.engine.runtime.cpu import probe_cpu
 
     return probe_cpu().model
 
 
 def describe_cpu() -> dict[str, str]:
-    """The CPU (model, family) and the numerics plan a default engine takes on it (parrot.engine.numerics): the
+    """The CPU (model, family) and the numerics plan a default engine takes on it (parrot.engine.runtime.numerics): the
     conditions of a benchmark that runs the builtin engine with its defaults."""
-    from parrot.engine.builder import plan_for
+    from parrot.engine.loader.builder import plan_for
     from parrot.engine.settings import EngineSettings
 
     plan = plan_for(EngineSettings())

@@ -35,13 +35,13 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from parrot.bench.cluster_bench import Cluster
-from parrot.engine.procs import free_port
+from parrot.engine.server.procs import free_port
 
 log = logging.getLogger(__name__)
 
 API_KEY = "sk-metrics-scrape"
 STARTUP_TIMEOUT_S = 300.0
-# the list, as metric families of the server's /metrics (parrot.manager.metrics, parrot.engine.metrics)
+# the list, as metric families of the server's /metrics (parrot.manager.metrics, parrot.protocol.metrics)
 REQUIRED = {
     "requests by API / status / policy": ("parrot_requests",),
     "queue lengths": ("parrot_queue_length", "parrot_engine_waiting_requests"),

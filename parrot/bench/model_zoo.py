@@ -177,7 +177,7 @@ def _source_kvs(path: str) -> tuple[_KV, ...]:
 def tokenizer_kvs(source: str | None = None) -> list[_KV]:
     """The ``tokenizer.*`` metadata (vocabulary, merges, special ids, chat template) of ``source`` (default: the
     default SmolLM2 model's GGUF), as typed in that file."""
-    from parrot.engine.model_files import default_model_path
+    from parrot.engine.files.model_files import default_model_path
 
     return [kv for kv in _source_kvs(source or default_model_path()) if kv.key.startswith("tokenizer.")]
 
@@ -308,8 +308,8 @@ def write_padded_gguf(src: str, path: str, pad: Padding = _PADDED_DEFAULT, *, nu
     from gguf import LlamaFileType
     from gguf.quants import dequantize
 
-    from parrot.engine.config import config_from_gguf
-    from parrot.engine.gguf_file import GGUFFile
+    from parrot.engine.files.config import config_from_gguf
+    from parrot.engine.files.gguf_file import GGUFFile
 
     gf = GGUFFile(src)
     cfg = config_from_gguf(gf)
@@ -393,7 +393,7 @@ def write_padded_gguf(src: str, path: str, pad: Padding = _PADDED_DEFAULT, *, nu
 def dequantize_gguf(src: str, dst: str) -> None:
     """An F32 twin of a LLaMA / Qwen2 GGUF: every tensor dequantized (gguf.quants), same shapes and metadata (the
     identity padding of :func:`write_padded_gguf`)."""
-    from parrot.engine.config import read_model_config
+    from parrot.engine.files.config import read_model_config
 
     cfg = read_model_config(src)
     write_padded_gguf(src, dst, Padding(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads))
@@ -402,7 +402,7 @@ def dequantize_gguf(src: str, dst: str) -> None:
 # ---- building -------------------------------------------------------------------------------------------------------
 def tensor_type_counts(path: str) -> dict[str, int]:
     """Number of tensors per ggml type in a GGUF file."""
-    from parrot.engine.gguf_file import GGUFFile
+    from parrot.engine.files.gguf_file import GGUFFile
 
     return dict(Counter(t.qtype.name for t in GGUFFile(path).tensors).most_common())
 
@@ -421,7 +421,7 @@ def build(shape: str, fmt: str, out_dir: str = DEFAULT_OUT, *, threads: int = 2,
     t0 = time.perf_counter()
     base = base_format(shape)
     if shape == PADDED and fmt == base:
-        from parrot.engine.model_files import default_model_path
+        from parrot.engine.files.model_files import default_model_path
 
         write_padded_gguf(default_model_path(), path)
     elif shape != PADDED and fmt in BASE_FORMATS:
@@ -440,7 +440,7 @@ def build(shape: str, fmt: str, out_dir: str = DEFAULT_OUT, *, threads: int = 2,
 def describe(path: str) -> dict:
     """Our engine's reading of a GGUF (read_model_config) and its tensor types."""
     from parrot.bench.peers import gguf_file_type
-    from parrot.engine.config import read_model_config
+    from parrot.engine.files.config import read_model_config
 
     cfg = read_model_config(path)
     return {"path": path, "mib": round(os.path.getsize(path) / 2**20, 1), "file_type": gguf_file_type(path),
@@ -505,7 +505,7 @@ def check_padded(original: str, padded: str, *, llama_files: list[str] = (), thr
                  log: Callable[[str], None] = print) -> dict:
     """Compare our engine's fp32 logits on ``original`` and ``padded`` (every position of CHECK_PROMPTS), and
     llama.cpp's top-1 on ``original`` and each of ``llama_files`` (padded files in any format)."""
-    from parrot.engine.tokenizer import load_tokenizer
+    from parrot.engine.files.tokenizer import load_tokenizer
 
     tok = load_tokenizer(original)
     prompts = [tok.encode(p) for p in CHECK_PROMPTS]
@@ -541,7 +541,7 @@ def _csv(text: str) -> list[str]:
 
 
 def _list(out_dir: str) -> Iterator[str]:
-    from parrot.engine.model_files import default_model_path
+    from parrot.engine.files.model_files import default_model_path
 
     vocab = _vocab_size(tokenizer_kvs())
     yield f"{'shape':<22} {'arch':<6} {'params':>8}  hidden x layers, heads/kv x head_dim, intermediate"
@@ -603,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
         import json
 
         from parrot.bench.peers import llama_cpp_available
-        from parrot.engine.model_files import default_model_path
+        from parrot.engine.files.model_files import default_model_path
 
         padded = build(PADDED, "F32", args.out, threads=args.threads)
         files = [build(PADDED, f, args.out, threads=args.threads) for f in args.llama_formats] \

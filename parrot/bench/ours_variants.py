@@ -1,5 +1,5 @@
 """Ours' variants in the engine benchmark (``--ours-variants``): parsing and validating the specs, the worker
-names, and the short label of an ours system from the numerics plan its engine reports (parrot.bench.engine)."""
+names, and the short label of an ours system from the numerics plan its engine reports (parrot.bench.engine_bench)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def parse_ours_variants(text: str, base: dict) -> dict[str, dict[str, str]]:
     ``cpu_path`` against this CPU's features. Raises ValueError naming the bad spec."""
     from pydantic import ValidationError
 
-    from parrot.engine.cpu import CpuPath, probe_cpu
+    from parrot.engine.runtime.cpu import CpuPath, probe_cpu
 
     out: dict[str, dict[str, str]] = {}
     specs = [x.strip() for x in text.split(",") if x.strip()]

@@ -81,7 +81,7 @@ class RealCluster:
     def __init__(self, policy: str, cfg: RealConfig, output: IO) -> None:
         from parrot.api.app import create_app
         from parrot.api.settings import ServerSettings
-        from parrot.engine.procs import start_engines
+        from parrot.engine.server.procs import start_engines
         from parrot.frontend.local import LocalServer
 
         self.policy_name = policy
@@ -143,7 +143,7 @@ class RealCluster:
                 "notice_tokens_dropped": pol.notice_tokens_dropped}
 
     def stop(self) -> None:
-        from parrot.engine.procs import stop_all
+        from parrot.engine.server.procs import stop_all
 
         stop_all(self.procs)
         self.server.stop()

@@ -32,8 +32,8 @@ import torch
 from tqdm import tqdm
 
 import parrot as P
-from parrot.engine.model_files import default_model_path
-from parrot.engine.tokenizer import load_tokenizer
+from parrot.engine.files.model_files import default_model_path
+from parrot.engine.files.tokenizer import load_tokenizer
 from parrot.common.report import fmt_ratio, format_conditions, format_table, ratio, save_bar_panels, save_json
 
 log = logging.getLogger(__name__)

@@ -39,7 +39,7 @@ import httpx
 from parrot.backends.llama_server import binary_path, stop_process
 from parrot.bench.ours_variants import plan_label
 from parrot.bench.peers import gguf_file_type, random_tokens
-from parrot.engine.procs import free_port
+from parrot.engine.server.procs import free_port
 
 log = logging.getLogger("parrot.bench.serve_bench")
 SYSTEMS = ("ours", "llamacpp", "vllm")
@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    from parrot.engine.model_files import resolve_model_path
+    from parrot.engine.files.model_files import resolve_model_path
 
     args.model = str(Path(resolve_model_path(args.model)).resolve())
     sizes = Sizes(args.prompt_tokens, args.job_seqs, args.job_prompt_tokens, args.job_tokens)

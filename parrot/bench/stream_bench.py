@@ -130,12 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from parrot.api.app import create_app
     from parrot.api.settings import ServerSettings
-    from parrot.engine.builder import build_local_engine_client
+    from parrot.engine.loader.builder import build_local_engine_client
     from parrot.engine.settings import EngineSettings
     from parrot.frontend.client import connect
     from parrot.frontend.local import LocalServer, _close_engines
 
-    from parrot.engine.procs import start_engines, stop_all
+    from parrot.engine.server.procs import start_engines, stop_all
 
     secret = secrets.token_urlsafe(24)
     engines = [] if args.engine_procs else [build_local_engine_client(EngineSettings())]

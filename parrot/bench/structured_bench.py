@@ -47,7 +47,7 @@ def sample_json(n: int = 6) -> str:
 # ---- engine ---------------------------------------------------------------------------------------------------
 class EngineBench:
     def __init__(self, max_batch: int, seed: int) -> None:
-        from parrot.engine.builder import build_engine
+        from parrot.engine.loader.builder import build_engine
         from parrot.engine.settings import EngineSettings
 
         self.engine = build_engine(EngineSettings(max_num_seqs=max(max_batch, EngineSettings().max_num_seqs)))
@@ -126,7 +126,7 @@ def _bench_llguidance(tok, ids: list[int], batch: int) -> dict:
     import llguidance
     import torch
 
-    from parrot.engine.guided import _LlgTokenizerView
+    from parrot.engine.runtime.guided import _LlgTokenizerView
 
     out = {}
     t0 = time.perf_counter()
@@ -182,8 +182,8 @@ def _bench_xgrammar(tok, ids: list[int], batch: int) -> dict | None:
 
 
 def run_libs(args: argparse.Namespace) -> dict:
-    from parrot.engine.model_files import resolve_model_path
-    from parrot.engine.tokenizer import load_tokenizer
+    from parrot.engine.files.model_files import resolve_model_path
+    from parrot.engine.files.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model_path(None))
     ids = tok.encode(sample_json())

@@ -1,6 +1,6 @@
 """What a constrained generation must produce: a JSON schema, any JSON object, a regex, one of a list of
 choices, or a grammar (Lark, or llama.cpp's GBNF). One plain value shared by the frontend, the APIs, the wire
-and the engine; the engine turns it into per-token masks (parrot.engine.guided).
+and the engine; the engine turns it into per-token masks (parrot.engine.runtime.guided).
 
 A constraint is checked when it is built: the grammar it stands for must compile (llguidance, without a
 tokenizer: syntax, regexes, schema keywords), else :class:`BadSamplingParams` names the problem, so a bad

@@ -17,7 +17,7 @@ class EngineSettings(BaseSettings):
     model: str | None = Field(None, description="GGUF file or HF safetensors dir; None = SmolLM2-135M default")
     cpu_path: Literal["auto", "amx", "avx512_bf16", "avx512", "avx2", "portable"] = Field(
         "auto",
-        description="CPU kernel family (parrot.engine.cpu): auto = the fastest this CPU and kernel build run; a "
+        description="CPU kernel family (parrot.engine.runtime.cpu): auto = the fastest this CPU and kernel build run; a "
         "forced path the CPU cannot run fails at start naming the missing features. amx / avx512_bf16: bf16 "
         "compute; avx512 / avx2: fp32 compute with int8 x 4-bit integer-dot matmuls and an fp16 KV cache; "
         "portable: fp32 on torch's kernels (aarch64 and anything else)",
@@ -55,7 +55,7 @@ class EngineSettings(BaseSettings):
     device: str = Field("cpu", description="'cpu' or 'cuda' (CUDA when present)")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads; None = all cores")
     bind_threads: Literal["auto", "on", "off"] = Field(
-        "auto", description="pin the compute threads one per CPU (parrot.engine.threads): auto = when num_threads "
+        "auto", description="pin the compute threads one per CPU (parrot.engine.runtime.threads): auto = when num_threads "
         "equals the CPUs the process may use; on = to the first num_threads of them; off = never",
     )
     block_size: int = Field(16, ge=1, le=256, description="tokens per KV block")
@@ -86,7 +86,7 @@ class EngineSettings(BaseSettings):
     shared_prefix_attention: Literal["auto", "on", "off"] = Field(
         "auto", description="decode rows sharing a prefix attend to it once (merged by LSE): on, off, or auto = "
         "on when one layer of it is measurably faster than the plain path on this machine (timed once at start, "
-        "parrot.engine.shared_prefix_choice); true / false mean on / off"
+        "parrot.engine.runtime.shared_prefix_choice); true / false mean on / off"
     )
     attention_kernel: Literal["auto", "native", "torch"] = Field(
         "auto",

@@ -1,6 +1,6 @@
 """``P.local()``: the whole Parrot service in this process, for notebooks, examples and tests.
 
-Builds an in-process builtin engine (``parrot.engine.builder.build_local_engine_client``), the server app
+Builds an in-process builtin engine (``parrot.engine.loader.builder.build_local_engine_client``), the server app
 (``parrot.api.app.create_app``) on it, runs the app with uvicorn in a background thread on a free
 127.0.0.1 port (the socket is bound first, so there is no port race), and opens a session on it. The
 returned :class:`LocalSession` is a normal :class:`~parrot.frontend.client.Session` (and the default one);
@@ -114,7 +114,7 @@ def local(model: str | None = None, *, api_key: str | None = None, server_settin
     """
     from parrot.api.app import create_app
     from parrot.api.settings import ServerSettings
-    from parrot.engine.builder import build_local_engine_client
+    from parrot.engine.loader.builder import build_local_engine_client
     from parrot.engine.settings import EngineSettings
 
     settings = ServerSettings(**dict(server_settings or {}, **({"api_key": api_key} if api_key else {})))

@@ -44,7 +44,7 @@ import anyio
 from parrot.common.errors import EngineError, EngineUnavailable
 from parrot.common.log_context import set_log_context
 from parrot.common.sampling import FinishReason, PositionLogprobs, SamplingParams
-from parrot.engine.interface import EngineClient, FillResult, GenerateResult, OpHint, ToolHint
+from parrot.protocol.interface import EngineClient, FillResult, GenerateResult, OpHint, ToolHint
 from parrot.manager.completion_types import ChoiceResult, CompletionPlan, Position, PromptJob, UnscoredToken
 from parrot.manager.dispatcher import Dispatcher, DispatchRequest, Lease
 from parrot.manager.failover import Failover, Loss, OrphanContexts

@@ -42,7 +42,7 @@ import anyio
 
 from parrot.common.errors import BadSamplingParams, ContextLengthExceeded, EngineUnavailable, InvalidRequestError
 from parrot.common.sampling import FinishReason, SamplingParams
-from parrot.engine.interface import EngineClient, GenerateChunk, ModelInfo
+from parrot.protocol.interface import EngineClient, GenerateChunk, ModelInfo
 from parrot.manager.chat_template import ChatRenderer
 from parrot.manager.completion_run import CompletionRun, gather_or_cancel
 from parrot.manager.completion_types import (

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from parrot.common.errors import EngineError, ParrotError
 from parrot.common.step_cost import StepCost, StepStats
-from parrot.engine.interface import EngineCapabilities, EngineClient, ModelInfo
+from parrot.protocol.interface import EngineCapabilities, EngineClient, ModelInfo
 from parrot.manager.engine_registry import EngineEntry, EngineRegistry, EngineState
 from parrot.manager.perf_deduction import SchedInfo
 from parrot.manager.policies.base import (

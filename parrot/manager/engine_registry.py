@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from parrot.common.errors import EngineTimeout, EngineUnavailable, NotReady, ParrotError, UnknownModel
-from parrot.engine.interface import EngineClient, EngineStatus, ModelInfo
+from parrot.protocol.interface import EngineClient, EngineStatus, ModelInfo
 
 logger = logging.getLogger(__name__)
 

@@ -51,7 +51,7 @@ from parrot.common.perf import PerfCriteria
 from parrot.common.sampling import FinishReason
 from parrot.common.template import TextSegment
 from parrot.common.transforms import apply_transforms
-from parrot.engine.interface import EngineClient, FillResult, ModelInfo, OpHint, ToolHint
+from parrot.protocol.interface import EngineClient, FillResult, ModelInfo, OpHint, ToolHint
 from parrot.manager.dispatcher import Dispatcher, DispatchRequest, Lease
 from parrot.manager.failover import Failover, Loss, OrphanContexts
 from parrot.manager.graph import GeneratedTokens, PlaceholderBinding, RequestNode, RequestStatus, Variable, VarStatus

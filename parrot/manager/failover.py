@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from parrot.common.errors import EngineUnavailable, ParrotError, UnknownContext
-from parrot.engine.interface import EngineClient
+from parrot.protocol.interface import EngineClient
 from parrot.manager.dispatcher import Dispatcher, DispatchRequest, Lease
 from parrot.manager.engine_registry import EngineEntry, EngineRegistry, EngineState
 

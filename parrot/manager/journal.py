@@ -30,7 +30,7 @@ Durability and cost: WAL with ``synchronous=NORMAL`` (a commit is an append to t
 loses nothing that was committed, a power cut may lose the last commits). Writes run on the event loop and go
 into one transaction per loop iteration, committed by a callback scheduled on the loop (``call_soon``), so a burst
 of DAG events costs one commit; outside an event loop each write commits at once. The measured cost per call is
-in docs/results/README.md (parrot.bench.journal_bench).
+in docs/results/operations.md (parrot.bench.journal_bench).
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ module-global default registry: several apps live in one test process). Two kind
   deleted, expires or the server stops -- :class:`CancelReason`);
 * **read at scrape time** from the state the manager already keeps (:class:`_StateCollector`): sessions, the
   manager's queue, what is placed on each engine, engine liveness, each engine's last reported
-  :class:`~parrot.engine.interface.EngineStatus` (its queue, running tokens, KV blocks, prefix-cache hit rate,
-  shared-prefix decode rows: :mod:`parrot.engine.metrics`, the same names an engine's own ``/metrics`` has),
+  :class:`~parrot.protocol.interface.EngineStatus` (its queue, running tokens, KV blocks, prefix-cache hit rate,
+  shared-prefix decode rows: :mod:`parrot.protocol.metrics`, the same names an engine's own ``/metrics`` has),
   prefix sharing and failover counters. Engine values are as fresh as the last heartbeat.
 
 Latencies, per request (``api`` label ``parrot`` for a DAG request, ``completions`` / ``chat`` for one OpenAI
@@ -38,8 +38,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from parrot.common.errors import ParrotError, StepFailed
-from parrot.engine.interface import GenerateResult
-from parrot.engine.metrics import status_families
+from parrot.protocol.interface import GenerateResult
+from parrot.protocol.metrics import status_families
 from parrot.manager.graph import RequestNode, RequestStatus
 from parrot.manager.policies.base import ClusterView, QueuedRequest
 

@@ -44,7 +44,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 
 from parrot.common.errors import EngineUnavailable, ParrotError, UnknownContext
-from parrot.engine.interface import EngineClient
+from parrot.protocol.interface import EngineClient
 from parrot.manager.engine_registry import EngineRegistry
 from parrot.manager.prefix_store import PrefixContext, PrefixState, PrefixStore
 

@@ -7,7 +7,7 @@ output token limits, and refusing them would lose work). A closed session gives 
 
 With ``max_sessions`` and the per-request limits this bounds the manager's memory under abuse:
 about ``max_total_bytes`` x the interpreter's overhead per byte of text, plus a fixed cost per node
-(docs/results: reliability, abuse run).
+(docs/results/operations.md: reliability, abuse run).
 """
 
 from __future__ import annotations

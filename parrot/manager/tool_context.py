@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from parrot.common.errors import ParrotError, UnknownContext
 from parrot.common.template import TextSegment
-from parrot.engine.interface import EngineClient, ModelInfo, OpHint, ToolHint
+from parrot.protocol.interface import EngineClient, ModelInfo, OpHint, ToolHint
 from parrot.manager.engine_registry import EngineRegistry, EngineState
 from parrot.manager.failover import OrphanContexts
 from parrot.manager.graph import Graph, PlaceholderBinding, RequestNode, ToolDecl, Variable

@@ -10,7 +10,7 @@ variable's producer) and read by :func:`follow` (one per ``GET .../variables/{vi
 Invariants:
 
 * the log is the raw generated text of the output, in order: no stop string (the engine holds back text that
-  could begin one, :mod:`parrot.engine.stopping`), without the template's moved lead spaces (as the value);
+  could begin one, :mod:`parrot.engine.runtime.stopping`), without the template's moved lead spaces (as the value);
   with no transforms ``"".join(pieces) == value``; with transforms the value is ``transforms(join(pieces))``
   (the final event carries it). Memory is the text itself (bounded by the output's ``max_tokens``); a reader
   that falls behind gets what it missed joined into one event, so a slow reader never holds the producer back;
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from parrot.common.errors import StepFailed
 from parrot.common.sampling import FinishReason, SamplingParams
-from parrot.engine.interface import EngineClient, GenerateResult, OpHint
+from parrot.protocol.interface import EngineClient, GenerateResult, OpHint
 
 if TYPE_CHECKING:
     from parrot.manager.graph import Variable

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from parrot.common.template import parse_template, render_template
-from parrot.engine.local_client import LocalEngineClient
+from parrot.engine.clients.local_client import LocalEngineClient
 from parrot.manager.completion_types import ChoiceSpec, CompletionSpec
 from parrot.manager.completions import CompletionService
 from parrot.manager.dispatcher import Policy
@@ -37,7 +37,7 @@ from parrot.manager.manager import Manager, ManagerConfig
 from parrot.manager.session import SessionState
 from parrot.manager.submit import PlaceholderSpec, SubmitSpec
 from parrot.sim.cost_model import CostModel, load_model
-from parrot.sim.engine import SimEngine
+from parrot.sim.sim_engine import SimEngine
 from parrot.sim.tokenizer import OutputLengths
 from parrot.workloads.apps import OUT, App, Const, FromStep
 from parrot.workloads.multi_agent import OUT as WF_OUT

@@ -42,7 +42,7 @@ def measure_swap(engine, tokens: int = SWAP_TOKENS, rounds: int = 3) -> tuple[fl
     """The runner's measured rate (bytes/s) of copying a paused context's KV blocks out to the host store, as a
     tool pause under the swap handling does (``rounds`` pauses of ``tokens`` tokens after one unmeasured round
     that allocates the host store); (None, why) when the engine cannot swap."""
-    from parrot.engine.interface import ToolHint
+    from parrot.protocol.interface import ToolHint
     from parrot.engine.scheduler.policies import FcfsSwap
 
     runner, sch = engine.runner, engine.scheduler
@@ -83,7 +83,7 @@ def measure_api(engine, model: CostModel, calls: int = API_CALLS) -> ApiCosts:
 
     from parrot.api.app import create_app
     from parrot.api.settings import ServerSettings
-    from parrot.engine.local_client import LocalEngineClient
+    from parrot.engine.clients.local_client import LocalEngineClient
     from parrot.frontend.client import Session
     from parrot.frontend.local import LocalServer
     from parrot.workloads.baseline_client import BaselineClient
@@ -145,7 +145,7 @@ QUICK_PLAN = ProfilePlan(prefill_sizes=(32, 256), prefill_contexts=(0, 256), dec
 def profile_engine(settings=None, plan: ProfilePlan = ProfilePlan(), seed: int = 0) -> tuple[CostModel, list[Sample]]:
     """Measure the builtin engine built from ``settings`` (EngineSettings; default: the default model)."""
     from parrot.common.sampling import SamplingParams
-    from parrot.engine.builder import build_engine
+    from parrot.engine.loader.builder import build_engine
     from parrot.engine.settings import EngineSettings
 
     settings = settings or EngineSettings()

@@ -10,7 +10,7 @@ Cost of a plan (see :mod:`parrot.sim.cost_model`): prefill chunks count their to
 decode rows (one new token at the end of the context) count D and the context tokens C their attention reads.
 With shared-prefix attention (the builtin engine's kernel, paper §7) decode rows whose block tables begin with
 the same blocks read that prefix once per group -- the ModelRunner's own grouping rule,
-:func:`parrot.engine.decode_groups.shared_prefix_groups`. The host<->pool block copies of tool pauses
+:func:`parrot.engine.runtime.decode_groups.shared_prefix_groups`. The host<->pool block copies of tool pauses
 (``BatchPlan.copies``) cost ``CostModel.swap_s`` per block (bytes / the model's copy rate), added to the
 iteration: the batch waits for them.
 """
@@ -20,9 +20,9 @@ from __future__ import annotations
 import random
 import weakref
 
-from parrot.engine.context import Op
-from parrot.engine.core import StepOutput
-from parrot.engine.decode_groups import min_shared_blocks, shared_prefix_groups
+from parrot.engine.runtime.context import Op
+from parrot.engine.runtime.core import StepOutput
+from parrot.engine.runtime.decode_groups import min_shared_blocks, shared_prefix_groups
 from parrot.engine.scheduler.scheduler import BatchPlan, Chunk
 from parrot.sim.cost_model import CostModel
 from parrot.sim.tokenizer import EOS, GEN_TOKEN, OutputLengths
@@ -111,7 +111,7 @@ class SimRunner:
 
     def _prefix_tokens_read_once(self, decodes: list[Chunk]) -> int:
         """Context tokens the shared-prefix kernel does not re-read: in each group of the runner's rule
-        (parrot.engine.decode_groups), all rows but one skip the common blocks."""
+        (parrot.engine.runtime.decode_groups), all rows but one skip the common blocks."""
         _, groups = shared_prefix_groups(decodes, self.cost.block_size, self.min_shared_blocks)
         saved = 0
         for common, rows in groups:

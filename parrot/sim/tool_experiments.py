@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 from parrot.common.report import format_table, ratio
 from parrot.common.sampling import SamplingParams
-from parrot.engine.interface import OpHint, ToolHint
-from parrot.engine.local_client import LocalEngineClient
+from parrot.protocol.interface import OpHint, ToolHint
+from parrot.engine.clients.local_client import LocalEngineClient
 from parrot.sim.cost_model import GPU_MEM_UTILIZATION, LLMS, CostModel, load_model
-from parrot.sim.engine import SimEngine
+from parrot.sim.sim_engine import SimEngine
 from parrot.sim.tokenizer import FIRST_WORD_ID
 from parrot.sim.vloop import run_virtual
 from parrot.workloads.tools import ToolRequest, describe, make_workload, with_prediction_error

@@ -24,7 +24,7 @@ import hashlib
 import json
 
 from parrot.common.step_cost import StepStats
-from parrot.engine.interface import EngineCapabilities
+from parrot.protocol.interface import EngineCapabilities
 from parrot.manager.engine_registry import EngineEntry
 from parrot.manager.manager import Manager
 from parrot.manager.recent import RequestRecord

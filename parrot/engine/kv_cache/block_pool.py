@@ -31,16 +31,6 @@ class OutOfBlocks(Exception):
     """Raised by :meth:`BlockPool.allocate` when fewer blocks are available than requested (nothing changes)."""
 
 
-def chain_hashes(tokens: Sequence[int], block_size: int, start_block: int = 0, prev: int | None = None) -> list[int]:
-    """Chain hashes of the full blocks of ``tokens`` from ``start_block`` on (``prev`` = hash of the block before)."""
-    out = []
-    h = prev if prev is not None else 0  # not None: hash(None) differs between processes before Python 3.12
-    for b in range(start_block, len(tokens) // block_size):
-        h = hash((h, tuple(tokens[b * block_size : (b + 1) * block_size])))
-        out.append(h)
-    return out
-
-
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_cache: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:

@@ -2,7 +2,7 @@
 
 The scheduler decides *whose* KV to allocate, evict or preempt; the engine core decides when a context is forked,
 freed or has computed tokens. Both ask this manager, which alone rebinds a context's ``block_table`` /
-``num_computed`` / ``num_registered`` (read-only properties of :class:`~parrot.engine.context.Context`) and
+``num_computed`` / ``num_registered`` (read-only properties of :class:`~parrot.engine.runtime.context.Context`) and
 changes the pool's reference counts. What it hands out is immutable (a block table is a tuple; :class:`KVBlocks`
 and the :class:`ContextKV` snapshot are frozen): the scheduler, the runner and the simulator read block ids, never
 write them (vLLM v1's ``KVCacheBlocks``).
@@ -45,11 +45,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from parrot.engine.kv_cache.block_pool import BlockPool, OutOfBlocks, chain_hashes
+from parrot.engine.kv_cache.block_pool import BlockPool, OutOfBlocks
+from parrot.protocol.block_hashes import chain_hashes
 from parrot.engine.kv_cache.host_store import HostStore
 
 if TYPE_CHECKING:
-    from parrot.engine.context import Context
+    from parrot.engine.runtime.context import Context
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from parrot.engine.context import Context, Op, OpKind, RawLogprobs
+from parrot.engine.runtime.context import Context, Op, OpKind, RawLogprobs
 
 DEFAULT_CAPACITY_BLOCKS = 2048  # entries (KV blocks' worth of positions) kept; LRU beyond
 

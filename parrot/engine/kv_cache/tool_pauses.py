@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from parrot.common.step_cost import StepCost, StepStats
-from parrot.engine.interface import ToolHint
+from parrot.protocol.interface import ToolHint
 from parrot.engine.scheduler.tool_handling import Handling
 
 if TYPE_CHECKING:
-    from parrot.engine.context import Context
+    from parrot.engine.runtime.context import Context
 
 MIN_TTL_S = 30.0  # a pause lives at least this long without a configured TTL ...
 TTL_FACTOR = 4.0  # ... or this many times the tool's expected duration

@@ -44,7 +44,7 @@ from parrot.engine.layers.weight import DenseWeight, FewRowsWeight, LinearWeight
 
 if TYPE_CHECKING:
     from parrot.engine.loader.pack_cache import PackCache
-    from parrot.engine.numerics import NumericsPlan
+    from parrot.engine.runtime.numerics import NumericsPlan
 
 log = logging.getLogger(__name__)
 

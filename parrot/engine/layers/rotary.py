@@ -7,7 +7,7 @@ both q and k, so the KV cache simply stores keys in this layout. Rotating a pair
 
     (x_2i + j x_2i+1) * (cos(p w_i) + j sin(p w_i)) * mscale
 
-Scaling variants (see parrot.engine.config): linear (p / factor), llama3 (frequency smoothing), yarn (ramped
+Scaling variants (see parrot.engine.files.config): linear (p / factor), llama3 (frequency smoothing), yarn (ramped
 interpolation + attention factor ``mscale``), freq_factors (llama.cpp ``rope_freqs``: w_i / f_i), longrope
 (Phi-3: w_i / short_i below ``original_max_position_embeddings``, w_i / long_i from there, times ``mscale``). The
 longrope table is per position (the KV cache never needs re-rotating); transformers instead switches a whole
@@ -22,7 +22,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from parrot.engine.config import ModelConfig, validate_rope_scaling
+from parrot.engine.files.config import ModelConfig, validate_rope_scaling
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[Tensor, float]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from parrot.engine.config import ModelConfig, is_gguf_file
+from parrot.engine.files.config import ModelConfig, is_gguf_file
 from parrot.engine.loader.gguf_loader import iter_gguf_weights
 from parrot.engine.loader.safetensors_loader import iter_safetensors_weights, to_hf_layout, to_interleaved
 
@@ -30,7 +30,7 @@ def weight_formats(path: str) -> dict[str, str]:
     "q8_0", "f16", ...); empty for a safetensors dir (float weights, no codes to keep)."""
     if not is_gguf_file(path):
         return {}
-    from parrot.engine.gguf_file import GGUFFile
+    from parrot.engine.files.gguf_file import GGUFFile
     from parrot.engine.loader.gguf_loader import canonical_name, gguf_family
 
     gf = GGUFFile(path)

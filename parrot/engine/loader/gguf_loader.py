@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from gguf.quants import dequantize
 
-from parrot.engine.config import ModelConfig
-from parrot.engine.gguf_file import GGUFFile, GGUFTensorInfo
+from parrot.engine.files.config import ModelConfig
+from parrot.engine.files.gguf_file import GGUFFile, GGUFTensorInfo
 from parrot.engine.layers.quant import NATIVE_FORMATS, QTensor
 from parrot.engine.loader.safetensors_loader import rope_heads, split_fused, to_interleaved
 from parrot.engine.models.registry import Family, family_for_gguf
@@ -104,7 +104,7 @@ def iter_gguf_weights(path: str, config: ModelConfig | None = None, *,
     gf = GGUFFile(path)
     family = gguf_family(gf)
     if config is None:
-        from parrot.engine.config import config_from_gguf
+        from parrot.engine.files.config import config_from_gguf
 
         config = config_from_gguf(gf)
     no_kernel: dict[str, list[str]] = {}

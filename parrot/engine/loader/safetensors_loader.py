@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 from safetensors import safe_open
 
-from parrot.engine.config import ModelConfig
+from parrot.engine.files.config import ModelConfig
 from parrot.engine.models.registry import family
 
 INDEX_FILE = "model.safetensors.index.json"

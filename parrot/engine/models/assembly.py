@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import Tensor
 
-from parrot.engine.config import ModelConfig, is_gguf_file, read_model_config
+from parrot.engine.files.config import ModelConfig, is_gguf_file, read_model_config
 from parrot.engine.layers.int4 import int4_kernel_available
 from parrot.engine.layers.int8 import int8_compute_dtype, int8_kernel_available
 from parrot.engine.layers.linear import WEIGHT_QUANTS, Conversions, Linear, MatmulKernels, make_linear
@@ -33,7 +33,7 @@ from parrot.engine.layers.quant import DenseEmbedding, Embedding, QTensor, Quant
 from parrot.engine.loader import iter_weights, weight_formats
 from parrot.engine.loader import pack_cache
 from parrot.engine.loader.pack_cache import PackCache
-from parrot.engine.model_files import resolve_model_path
+from parrot.engine.files.model_files import resolve_model_path
 from parrot.engine.models.decoder import CausalLM, DecoderLayer
 
 logger = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ def assemble_model(config: ModelConfig, weights: Iterable[tuple[str, Tensor | QT
     their file codes (QTensor) where the loader kept them.
 
     ``kernels``: the matmul kernels the layers may run (the engine's NumericsPlan: MatmulKernels from
-    parrot.engine.numerics; None = everything this machine runs). ``weight_quant`` is the rule of
+    parrot.engine.runtime.numerics; None = everything this machine runs). ``weight_quant`` is the rule of
     parrot.engine.layers.linear ("auto": each matrix as its file stores it where a kernel reads that format);
     ``formats`` (canonical name -> GGUF format) names where dequantized floats came from, for the log of what
     was converted. The output head keeps the file's format ("int4" makes it Q8_0, not 4-bit: a 4-bit head flips

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from parrot.engine.config import ModelConfig
+from parrot.engine.files.config import ModelConfig
 from parrot.engine.layers.attention import LayerAttention, PlainDecode
 from parrot.engine.layers.linear import Linear
 from parrot.engine.layers.packed import VnniWeight

@@ -33,8 +33,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from parrot.engine.context import Context, Op, OpStatus
-from parrot.engine.interface import ToolHint
+from parrot.engine.runtime.context import Context, Op, OpStatus
+from parrot.protocol.interface import ToolHint
 from parrot.engine.kv_cache.block_pool import BlockPool
 from parrot.engine.kv_cache.host_store import HostStore
 from parrot.engine.kv_cache.manager import NO_COPIES, KVCopies, KVManager

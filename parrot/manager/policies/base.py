@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from parrot.common.perf import PerfCriteria
 from parrot.common.step_cost import StepCost
-from parrot.engine.interface import EngineStatus
+from parrot.protocol.interface import EngineStatus
 from parrot.manager.perf_deduction import SchedInfo
 
 

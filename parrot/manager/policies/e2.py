@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from parrot.common.step_cost import StepCost
-from parrot.engine.kv_cache.block_pool import chain_hashes
+from parrot.protocol.block_hashes import chain_hashes
 from parrot.manager.perf_deduction import SchedInfo
 from parrot.manager.policies.base import (
     ClusterView,

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from parrot.engine.context import Context, Op
-from parrot.engine.interface import ToolHint
+from parrot.engine.runtime.context import Context, Op
+from parrot.protocol.interface import ToolHint
 from parrot.engine.scheduler.tool_handling import Handling, ToolCosts, choose_handling
 
 

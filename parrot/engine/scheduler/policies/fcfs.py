@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from parrot.engine.context import Op
+from parrot.engine.runtime.context import Op
 from parrot.engine.scheduler.policies.base import EnginePolicy, EngineView
 from parrot.engine.scheduler.policies.pauses import (DiscardPauses, LeastWastePauses, PredictedPauses, PreservePauses,
                                                      SwapPauses)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from parrot.engine.context import Op, OpKind
+from parrot.engine.runtime.context import Op, OpKind
 from parrot.engine.scheduler.lamps import LampsRanker
 from parrot.engine.scheduler.policies.base import EnginePolicy, EngineView
 from parrot.engine.scheduler.policies.pauses import PredictedPauses

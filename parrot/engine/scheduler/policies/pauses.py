@@ -14,8 +14,8 @@ The waste model is :mod:`parrot.engine.scheduler.tool_handling`'s.
 
 from __future__ import annotations
 
-from parrot.engine.context import Context, Op
-from parrot.engine.interface import ToolHint
+from parrot.engine.runtime.context import Context, Op
+from parrot.protocol.interface import ToolHint
 from parrot.engine.scheduler.policies.base import EnginePolicy, EngineView, least_waste
 from parrot.engine.scheduler.tool_handling import Handling
 

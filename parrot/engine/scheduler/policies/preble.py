@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from parrot.engine.context import Op
+from parrot.engine.runtime.context import Op
 from parrot.engine.scheduler.policies.base import EnginePolicy, EngineView
 from parrot.engine.scheduler.policies.pauses import PreservePauses
 

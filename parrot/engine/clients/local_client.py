@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 
 from parrot.common.errors import ParrotError
 from parrot.common.sampling import SamplingParams
-from parrot.engine.core import EngineCore
-from parrot.engine.interface import (
+from parrot.engine.runtime.core import EngineCore
+from parrot.protocol.interface import (
     EngineClient,
     EngineStatus,
     FillResult,

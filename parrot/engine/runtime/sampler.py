@@ -12,7 +12,7 @@ distribution, not the truncated one a sampled token was drawn from: a greedy tok
 top, a sampled one need not be in it.
 Only rows that ask pay for them. Prompt logprobs (the runner's) are the same ``log_softmax`` of raw logits.
 
-Constrained rows (``op.guide``, parrot.engine.guided) get their grammar's mask first, in one batched fill for all
+Constrained rows (``op.guide``, parrot.engine.runtime.guided) get their grammar's mask first, in one batched fill for all
 of them: tokens the grammar forbids are -inf before anything else, so logprobs describe the constrained
 distribution. The min_tokens ban yields to the grammar when the grammar allows nothing but the end.
 """
@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from parrot.common.sampling import SamplingParams
-from parrot.engine.context import Op, RawLogprobs
-from parrot.engine.guided import Guide
+from parrot.engine.runtime.context import Op, RawLogprobs
+from parrot.engine.runtime.guided import Guide
 
 
 _ARGMAX_CHUNK = 1024
@@ -71,7 +71,7 @@ class MaskFiller:
         self._executor = None
 
     def fill(self, guides: Sequence[Guide]) -> torch.Tensor:
-        """int32 [len(guides), words]: row i = the tokens guides[i] allows next (layout in parrot.engine.guided)."""
+        """int32 [len(guides), words]: row i = the tokens guides[i] allows next (layout in parrot.engine.runtime.guided)."""
         if self._executor is None:
             import llguidance
 

@@ -255,6 +255,6 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     chat_template: str | None
     add_bos: bool = False
-    # how the engine computes (builtin engine: parrot.engine.numerics.NumericsPlan.to_dict(): CPU model and family,
-    # CPU path, dtypes, matmul kernels); empty when the engine does not say
+    # how the engine computes (builtin engine: parrot.engine.runtime.numerics.NumericsPlan.to_dict(): CPU model and
+    # family, CPU path, dtypes, matmul kernels); empty when the engine does not say
     numerics: dict = field(default_factory=dict, compare=False)

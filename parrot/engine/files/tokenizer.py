@@ -36,8 +36,8 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from parrot.common.chat_template import ChatTemplates
 from parrot.common.errors import TemplateError
-from parrot.engine.config import is_gguf_file
-from parrot.engine.gguf_file import GGUFFile
+from parrot.engine.files.config import is_gguf_file
+from parrot.engine.files.gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)
 

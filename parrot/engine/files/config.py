@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from parrot.engine.gguf_file import GGUFFile
+    from parrot.engine.files.gguf_file import GGUFFile
 
 from parrot.engine.models.registry import FAMILIES, family_for_gguf, family_for_hf
 
@@ -165,7 +165,7 @@ def read_model_config(path: str) -> ModelConfig:
     """Read the config of a GGUF file or of an HF dir holding config.json. Raises ValueError on a bad/unsupported
     config, FileNotFoundError if ``path`` is neither."""
     if is_gguf_file(path):
-        from parrot.engine.gguf_file import GGUFFile  # numpy only, no torch
+        from parrot.engine.files.gguf_file import GGUFFile  # numpy only, no torch
 
         return config_from_gguf(GGUFFile(path), fallback_name=os.path.basename(path))
     cfg_path = os.path.join(path, "config.json")

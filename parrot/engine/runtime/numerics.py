@@ -1,5 +1,5 @@
 """The numerics plan of a builtin engine: which dtypes and kernels run, chosen once at engine start from the CPU
-path (parrot.engine.cpu) and the settings (no torch).
+path (parrot.engine.runtime.cpu) and the settings (no torch).
 
     path          compute   KV cache   quantized matmuls (a GGUF's own codes)     dense matmuls
     amx           bf16      bf16       qmm avx512vnni                             VNNI bf16 on AMX tiles
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from parrot.engine.cpu import CpuInfo, CpuPath
+from parrot.engine.runtime.cpu import CpuInfo, CpuPath
 
 BF16_PATHS = (CpuPath.AMX, CpuPath.AVX512_BF16)
 FP32_NATIVE_PATHS = (CpuPath.AVX512, CpuPath.AVX2)

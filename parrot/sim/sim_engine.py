@@ -1,7 +1,7 @@
 """SimEngine: the builtin engine's core (contexts, op lifecycle, scheduler, KV block pool, prefix cache) driven by
 an asyncio task on the virtual clock, with :class:`~parrot.sim.runner.SimRunner` in place of the model.
 
-Everything but the forward pass is the real engine code (:class:`~parrot.engine.core.EngineCore`). The owner
+Everything but the forward pass is the real engine code (:class:`~parrot.engine.runtime.core.EngineCore`). The owner
 here is a task instead of a thread; each turn::
 
     plan = core.next_plan()              # the real batch plan
@@ -10,7 +10,7 @@ here is a task instead of a thread; each turn::
 
 As in the builtin engine, commands run only between iterations: one that arrives while an iteration "runs"
 waits for its end (an idle engine runs it at once). Its calls return asyncio futures, so the manager talks to
-it through the same :class:`~parrot.engine.local_client.LocalEngineClient` as to an in-process builtin engine
+it through the same :class:`~parrot.engine.clients.local_client.LocalEngineClient` as to an in-process builtin engine
 (create it with ``owns_engine=False`` and call :meth:`SimEngine.shutdown` yourself: no threads here).
 """
 
@@ -23,8 +23,8 @@ import random
 from collections.abc import Callable
 
 from parrot.common.errors import EngineError
-from parrot.engine.core import Command, EngineCore
-from parrot.engine.interface import EngineStatus
+from parrot.engine.runtime.core import Command, EngineCore
+from parrot.protocol.interface import EngineStatus
 from parrot.engine.kv_cache.block_pool import BlockPool
 from parrot.engine.kv_cache.host_store import HostStore
 from parrot.engine.scheduler.scheduler import Scheduler

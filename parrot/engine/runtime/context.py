@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from parrot.common.sampling import FinishReason, PositionLogprobs, SamplingParams, TokenLogprob
-from parrot.engine.interface import GenerateChunk, OpHint
-from parrot.engine.kv_cache.block_pool import chain_hashes
+from parrot.protocol.interface import GenerateChunk, OpHint
+from parrot.protocol.block_hashes import chain_hashes
 from parrot.engine.kv_cache.manager import ContextKV
 
 
@@ -190,7 +190,7 @@ class Op:
     decoder: Any = None  # IncrementalDecoder (GENERATE)
     stopper: Any = None  # StopChecker (GENERATE)
     generator: Any = None  # torch.Generator for seeded sampling (GENERATE), created by the sampler
-    guide: Any = None  # parrot.engine.guided.Guide when sampling.constraint is set (GENERATE), made at op start
+    guide: Any = None  # parrot.engine.runtime.guided.Guide when sampling.constraint is set (GENERATE), made at op start
     # FILL with prompt_logprobs: one entry per filled token (position prompt_len + i), None until known
     prompt_lp: list[RawLogprobs | None] = field(default_factory=list)
     logprobs: list[PositionLogprobs] = field(default_factory=list)  # GENERATE with sampling.logprobs: per token

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from enum import Enum
 
 from parrot.common.sampling import FinishReason, PositionLogprobs, TokenLogprob
-from parrot.engine.interface import EngineStatus, FillResult, GenerateChunk, GenerateResult, ModelInfo
+from parrot.protocol.interface import EngineStatus, FillResult, GenerateChunk, GenerateResult, ModelInfo
 
 # the header an engine proves itself with to the manager (registration, heartbeats): the manager's engine secret
 ENGINE_SECRET_HEADER = "X-Parrot-Engine-Secret"
@@ -29,7 +29,7 @@ class FillRequest(BaseModel):
     parent_context_id: str | None = Field(None, min_length=1, max_length=256)
     prompt_logprobs: int | None = None  # validated by the engine (BadSamplingParams naming the field)
     # names this fill and its retries: the engine applies it once and answers a repeat with the first result
-    # (parrot.engine.op_memo); None = not retried (applied as sent)
+    # (parrot.engine.server.op_memo); None = not retried (applied as sent)
     op_id: str | None = Field(None, min_length=8, max_length=64)
     hint: dict | None = None  # OpHint.to_wire() of the generate this fill's prompt is for
 

@@ -11,8 +11,8 @@ computed tokens and pins. One owner turn::
     out = runner.execute(plan)        # a StepOutput: a model forward + sampling, or the simulator's synthetic one
     core.apply(out)                   # tokens computed, prefix blocks registered, tokens sampled, ops finished
 
-Two owners exist: :class:`~parrot.engine.engine.LLMEngine` (a thread, wall clock, the torch ModelRunner) and
-:class:`~parrot.sim.engine.SimEngine` (an asyncio task on the virtual clock, a cost model instead of a forward).
+Two owners exist: :class:`~parrot.engine.runtime.engine_loop.LLMEngine` (a thread, wall clock, the torch ModelRunner) and
+:class:`~parrot.sim.sim_engine.SimEngine` (an asyncio task on the virtual clock, a cost model instead of a forward).
 An op is QUEUED behind its context's active op, then WAITING / RUNNING in the scheduler, then FINISHED or
 FAILED; its result leaves through its callbacks, which settle the caller's future (``concurrent.futures`` or
 asyncio: both have done / set_result / set_exception).
@@ -44,16 +44,16 @@ from parrot.common.errors import (
 )
 from parrot.common.sampling import MAX_LOGPROBS, FinishReason, PositionLogprobs, SamplingParams
 from parrot.common.step_cost import StepStats
-from parrot.engine.guided import GrammarCompiler
-from parrot.engine.context import Context, LogprobLabels, Op, OpKind, OpStatus, RawLogprobs
-from parrot.engine.interface import (EngineCapabilities, EngineStatus, FillResult, GenerateChunk, GenerateResult,
+from parrot.engine.runtime.guided import GrammarCompiler
+from parrot.engine.runtime.context import Context, LogprobLabels, Op, OpKind, OpStatus, RawLogprobs
+from parrot.protocol.interface import (EngineCapabilities, EngineStatus, FillResult, GenerateChunk, GenerateResult,
                                     OpHint, PauseResult, ToolHint)
 from parrot.engine.kv_cache.block_pool import BlockPool
 from parrot.engine.kv_cache.tool_pauses import EngineToolCosts, pause_ttl
 from parrot.engine.kv_cache.prompt_logprobs import (DEFAULT_CAPACITY_BLOCKS, PromptLogprobCache, is_known, match_limit,
                                                     wants_prompt_logprobs)
 from parrot.engine.scheduler.scheduler import BatchPlan, Scheduler, TooLargeForPool
-from parrot.engine.stopping import StopChecker
+from parrot.engine.runtime.stopping import StopChecker
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class EngineCore(abc.ABC):
         self.num_generates_finished = 0
         self.num_ops_aborted = 0  # ops stopped by a free of their context (their caller went away)
         self._cached_status = cached_status
-        # what placement may count on (parrot.engine.interface.EngineCapabilities): fixed once the engine is built
+        # what placement may count on (parrot.protocol.interface.EngineCapabilities): fixed once the engine is built
         self._capabilities = EngineCapabilities(
             shared_prefix_attention=bool(getattr(runner, "shared_prefix_attention", False)), fork=True,
             prefix_cache=pool.enable_prefix_cache, kv_tokens=pool.num_blocks * pool.block_size).to_wire()

@@ -4,7 +4,7 @@ run on it (no torch).
 CPU paths, fastest first. Each names the features its kernels need; the engine picks the first one the CPU has
 (and the kernel library was built for) unless a setting forces one:
 
-    path          needs (Linux /proc/cpuinfo flag names)           numerics (parrot.engine.numerics)
+    path          needs (Linux /proc/cpuinfo flag names)           numerics (parrot.engine.runtime.numerics)
     amx           amx_tile amx_bf16 + avx512_bf16                  bf16 compute, AMX tiles for mid-size matmuls
     avx512_bf16   avx512f avx512bw avx512vl avx512_bf16            bf16 compute, VDPBF16PS + VPDPBUSD matmuls
     avx512        avx512f avx512bw avx512vl + avx2 fma f16c        fp32 compute, int8 x GGUF-code dot products

@@ -1,16 +1,16 @@
 """Engine benchmark: the builtin engine vs HF transformers vs llama.cpp on one GGUF, plus the machine's peak.
 
-    python -m parrot.bench.engine [--systems ours,hf,llamacpp] [--quick] [--out bench_out/engine]
+    python -m parrot.bench.engine_bench [--systems ours,hf,llamacpp] [--quick] [--out bench_out/engine]
                                   [--cpu-path auto] [--dtype auto] [--weight-quant auto] [--act-quant auto]
                                   [--ours-variants default,act_quant=int8,cpu_path=avx2+act_quant=int8]
 
 Every system (and the machine-peak measure) runs in its own subprocess, one after the other
-(``python -m parrot.bench.engine --worker NAME ...`` prints one JSON line), so thread settings and the max
+(``python -m parrot.bench.engine_bench --worker NAME ...`` prints one JSON line), so thread settings and the max
 RSS (``os.wait4``'s ru_maxrss of that child) are clean. The protocol is in :mod:`parrot.bench.peers`.
 
 Ours runs once per ``--ours-variants`` spec (worker ``ours`` for ``default``, ``ours:<spec>`` for a ``+``-joined
 list of EngineSettings overrides applied on top of the ``--cpu-path / --dtype / --weight-quant / --act-quant``
-flags). Each engine picks its numerics plan at start (parrot.engine.numerics); its label names the plan's CPU path
+flags). Each engine picks its numerics plan at start (parrot.engine.runtime.numerics); its label names the plan's CPU path
 and numerics (e.g. "ours avx2 int8x2", "ours avx512_bf16 bf16/int4"), its info carries the whole plan, and the
 ratio table has one block of rows per ours variant ("<ours label> / <peer>"). The conditions name the CPU model,
 its family and the CPU paths it can run.
@@ -42,7 +42,7 @@ from parrot.bench.ours_variants import (OURS_FLAGS, _ours_spec, ours_settings, p
                                         parse_variant_spec, plan_label, variant_worker)
 from parrot.bench.peers import Protocol, Runner
 
-log = logging.getLogger("parrot.bench.engine")
+log = logging.getLogger("parrot.bench.engine_bench")
 
 DEFAULT_HF_DTYPES = ("float32", "bfloat16")
 DEFAULT_LLAMA_VARIANTS = ("file", "Q4_0", "Q8_0")  # "file" = the GGUF as given (Q4_1 by default)
@@ -53,7 +53,7 @@ class OursRunner(Runner):
     def __init__(self, model_path: str, *, base: dict, overrides: dict, threads: int, proto: Protocol) -> None:
         """``base``: the ours flags (cpu_path, dtype, weight_quant, act_quant); ``overrides``: this variant's
         EngineSettings overrides on top of them."""
-        from parrot.engine.builder import build_engine
+        from parrot.engine.loader.builder import build_engine
 
         n = max(proto.batches)
         # peak KV use: n parents of C tokens + n children of K tokens, each rounded up to whole blocks (+1 block
@@ -177,7 +177,7 @@ def run_worker(args) -> dict:
 
         transformers.utils.logging.set_verbosity_error()
     elif kind == "ours":
-        import parrot.engine.builder  # noqa: F401  (torch + the engine)
+        import parrot.engine.loader.builder  # noqa: F401  (torch + the engine)
     elif kind in ("llamacpp", "quantize"):
         import llama_cpp  # noqa: F401
     if kind in ("quantize", "hfconvert"):  # one-time preparation of a peer's model file, in its own process
@@ -189,7 +189,7 @@ def run_worker(args) -> dict:
             hf_convert(args.model, variant, args.prep_out)
         return {"system": args.worker, "ok": True, "path": args.prep_out}
     from parrot.bench.peers import measure
-    from parrot.engine.config import read_model_config
+    from parrot.engine.files.config import read_model_config
 
     proto = _protocol(args)
     vocab = read_model_config(args.model).vocab_size
@@ -218,7 +218,7 @@ def _protocol(args) -> Protocol:
 
 # ---- driver ---------------------------------------------------------------------------------------------------
 def _worker_cmd(args, worker: str, **extra: str) -> list[str]:
-    cmd = [sys.executable, "-m", "parrot.bench.engine", "--worker", worker, "--model", args.model,
+    cmd = [sys.executable, "-m", "parrot.bench.engine_bench", "--worker", worker, "--model", args.model,
            "--threads", str(args.threads), *(x for k, flag in OURS_FLAGS.items() for x in (flag, getattr(args, k))),
            "--prefill-tokens", str(args.prefill_tokens), "--context-tokens", str(args.context_tokens),
            "--decode-tokens", str(args.decode_tokens), "--prefill-repeats", str(args.prefill_repeats),
@@ -344,7 +344,7 @@ def run_all(args) -> dict:
     """Machine peak, then each system in its own subprocess; returns the full JSON-able result."""
     from parrot.bench.machine import describe_machine
     from parrot.bench.peers import gguf_file_type
-    from parrot.engine.cpu import probe_cpu
+    from parrot.engine.runtime.cpu import probe_cpu
 
     file_type = gguf_file_type(args.model)
     workers = plan_workers(args, file_type)
@@ -364,6 +364,8 @@ def run_all(args) -> dict:
         base_worker, _, tree = worker.partition("@")  # ours@TREE: the default ours, run from another checkout
         cmd = _worker_cmd(args, base_worker, **extra)
         cmd[cmd.index("--model") + 1] = model
+        if tree and not os.path.exists(os.path.join(tree, "parrot", "bench", "engine_bench.py")):
+            cmd[cmd.index("parrot.bench.engine_bench")] = "parrot.bench.engine"  # a checkout from before the rename
         res, max_rss, err = run_subprocess(cmd, args.worker_timeout, args.threads, tree or None)
         if worker.startswith("llamacpp") and args.llama_buffers == "repack" and not (res or {}).get("ok"):
             log.warning("%s failed with repacked weights (%s); retrying with plain buffers", worker,
@@ -403,7 +405,7 @@ def _choices(field: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m parrot.bench.engine", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m parrot.bench.engine_bench", description=__doc__.split("\n")[0])
     csv = lambda s: [x for x in s.split(",") if x]  # noqa: E731
     p.add_argument("--systems", type=csv, default=["ours", "hf", "llamacpp"], help="ours,hf,llamacpp")
     p.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
@@ -463,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     if set(args.llama_variants) - {"file", *LLAMA_QUANTS}:
         p.error(f"--llama-variants must be among file,{','.join(LLAMA_QUANTS)}")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    from parrot.engine.model_files import resolve_model_path
+    from parrot.engine.files.model_files import resolve_model_path
 
     args.model = os.path.abspath(resolve_model_path(args.model))
     if args.worker:
@@ -474,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
             result = {"system": args.worker, "ok": False, "error": f"{type(e).__name__}: {e}"}
         print(json.dumps(result), flush=True)
         return 0 if result.get("ok") else 1
-    from parrot.engine.config import read_model_config
+    from parrot.engine.files.config import read_model_config
 
     data = run_all(args)
     print(render(data, read_model_config(args.model), args.out), flush=True)

@@ -4,7 +4,7 @@ Callers (any thread) get ``concurrent.futures`` futures; their commands go throu
 thread, the only writer of the core's state. The same thread (:class:`EngineThread`) built the model, so all of
 the engine's torch work runs on one thread (why: its docstring). Each loop turn: apply commands -> schedule ->
 run one forward (ModelRunner) -> apply results -> finish ops (results leave through callbacks, which resolve
-futures / stream queues thread-safely). The op lifecycle and step logic are :class:`~parrot.engine.core.EngineCore`'s.
+futures / stream queues thread-safely). The op lifecycle and step logic are :class:`~parrot.engine.runtime.core.EngineCore`'s.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from typing import TypeVar
 
 from parrot.common.errors import EngineError
-from parrot.engine.core import Command, EngineCore, StepRunner
+from parrot.engine.runtime.core import Command, EngineCore, StepRunner
 from parrot.engine.kv_cache.block_pool import BlockPool
 from parrot.engine.scheduler.scheduler import Scheduler
 
@@ -73,7 +73,7 @@ class LLMEngine(EngineCore):
         self, *, name: str, model_name: str, runner: StepRunner, pool: BlockPool, scheduler: Scheduler,
         tokenizer, max_model_len: int, thread: EngineThread, numerics: dict | None = None,
     ) -> None:
-        """``runner`` is the torch :class:`~parrot.engine.runner.ModelRunner`, built by the engine builder on
+        """``runner`` is the torch :class:`~parrot.engine.runtime.runner.ModelRunner`, built by the engine builder on
         ``thread``, which then runs the loop."""
         super().__init__(name=name, model_name=model_name, runner=runner, pool=pool, scheduler=scheduler,
                          tokenizer=tokenizer, max_model_len=max_model_len, clock=time.monotonic,

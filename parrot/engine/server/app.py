@@ -7,8 +7,8 @@ Errors are OpenAI-style bodies with the typed error's status and code, and a str
 response (:mod:`parrot.http_edge`): ``data: {chunk}`` per chunk, an error event if the engine fails mid-stream, then
 ``data: [DONE]``; a client that disconnects closes the engine stream at once (the generation is aborted).
 With a manager URL the engine registers itself and sends heartbeats carrying its status
-(:mod:`parrot.engine.registration`); standalone it serves. A fill with an ``op_id`` is applied once however often
-it is retried (:mod:`parrot.engine.op_memo`). On SIGTERM it drains (:mod:`parrot.drain`): new fills and
+(:mod:`parrot.engine.server.registration`); standalone it serves. A fill with an ``op_id`` is applied once however often
+it is retried (:mod:`parrot.engine.server.op_memo`). On SIGTERM it drains (:mod:`parrot.drain`): new fills and
 generates get 503 ``server_draining``, those in flight get ``shutdown_grace_s``.
 It imports only the engine side, :mod:`parrot.common` and the HTTP edge: an engine process loads neither the API
 app nor the manager (a test checks).
@@ -30,12 +30,12 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from parrot.common.errors import UnknownContext
 from parrot.common.sampling import SamplingParams
 from parrot.drain import Drain, DrainMiddleware
-from parrot.engine.interface import EngineClient, OpHint, ToolHint
-from parrot.engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from parrot.engine.metrics import render_status
-from parrot.engine.op_memo import OpMemo
-from parrot.engine.registration import ManagerLink
-from parrot.engine.wire import (
+from parrot.protocol.interface import EngineClient, OpHint, ToolHint
+from parrot.protocol.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from parrot.protocol.metrics import render_status
+from parrot.engine.server.op_memo import OpMemo
+from parrot.engine.server.registration import ManagerLink
+from parrot.protocol.wire import (
     DetokenizeRequest,
     FillRequest,
     FreeRequest,
@@ -187,7 +187,7 @@ def create_engine_app(client: EngineClient, settings: EngineServerSettings | Non
 
     @app.get("/metrics", response_class=Response)
     async def metrics() -> Response:
-        """Prometheus metrics of this engine's current status (parrot.engine.metrics)."""
+        """Prometheus metrics of this engine's current status (parrot.protocol.metrics)."""
         return Response(render_status(await client.status()), media_type=METRICS_CONTENT_TYPE)
 
     @app.post("/engine/v1/tokenize")

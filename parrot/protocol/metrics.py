@@ -1,4 +1,4 @@
-"""Prometheus metrics of an engine, read from its :class:`~parrot.engine.interface.EngineStatus` snapshot.
+"""Prometheus metrics of an engine, read from its :class:`~parrot.protocol.interface.EngineStatus` snapshot.
 
 One function turns status snapshots into metric families, so an engine's own ``/metrics`` (``parrot engine``) and
 the manager's ``/metrics`` (the last status each engine reported, one ``engine`` label per engine) expose the same
@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from parrot.engine.interface import EngineStatus
+from parrot.protocol.interface import EngineStatus
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # the Prometheus text exposition format
 LABELS = ("engine", "model")

@@ -26,13 +26,13 @@ import time
 
 import torch
 
-from parrot.engine.context import Context, Op, RawLogprobs
-from parrot.engine.core import StepOutput
-from parrot.engine.decode_groups import min_shared_blocks, shared_prefix_groups
+from parrot.engine.runtime.context import Context, Op, RawLogprobs
+from parrot.engine.runtime.core import StepOutput
+from parrot.engine.runtime.decode_groups import min_shared_blocks, shared_prefix_groups
 from parrot.engine.kv_cache.manager import KVCopies
 from parrot.engine.kv_cache.prompt_logprobs import needs_logits, wants_prompt_logprobs
 from parrot.engine.layers.attention import BlockRef, DecodeGroup, PagedAttention, PrefillMeta
-from parrot.engine.sampler import Sampler, token_logprobs
+from parrot.engine.runtime.sampler import Sampler, token_logprobs
 from parrot.engine.scheduler.scheduler import BatchPlan, Chunk
 
 _LOGIT_ROWS = 256  # prompt-logprob rows per lm_head call
@@ -202,7 +202,7 @@ class ModelRunner:
 
     def _decode_groups(self, decodes: list[Chunk]) -> tuple[list[Chunk], list[DecodeGroup]]:
         """Order decode rows as [plain | shared group 1 | shared group 2 ...] and describe each group
-        (the grouping rule: parrot.engine.decode_groups)."""
+        (the grouping rule: parrot.engine.runtime.decode_groups)."""
         if not decodes:
             return decodes, []
         if self.shared_prefix_attention and len(decodes) > 1:
