@@ -81,15 +81,27 @@ class ToolHint:
 
 @dataclass(frozen=True)
 class OpHint:
-    """Predictions the manager attaches to a generate (LAMPS 4.2); engines that cannot use them ignore them."""
+    """Predictions the manager attaches to a generate (LAMPS 4.2); engines that cannot use them ignore them.
+
+    ``later`` (optional): the hints of the request's segments after this one, in order, each with the tokens its
+    tool call appends (``predicted_return_tokens``): what a request-level rank (``lamps-request``) scores the
+    remaining calls by. Empty: only this segment is known (every field defaults, so older senders are unchanged).
+    """
 
     predicted_output_tokens: int | None = None
     tool: ToolHint | None = None  # a tool call is expected right after this generate
     priority: int = 0  # the request's priority (vLLM's: lower is admitted earlier; ties by arrival)
+    predicted_return_tokens: int | None = None  # tokens ``tool``'s result appends to the context
+    later: tuple["OpHint", ...] = ()  # the request's later segments (their ``later`` empty)
 
     def to_wire(self) -> dict:
-        return {"predicted_output_tokens": self.predicted_output_tokens,
-                "tool": self.tool.to_wire() if self.tool is not None else None, "priority": self.priority}
+        d = {"predicted_output_tokens": self.predicted_output_tokens,
+             "tool": self.tool.to_wire() if self.tool is not None else None, "priority": self.priority}
+        if self.predicted_return_tokens is not None:
+            d["predicted_return_tokens"] = self.predicted_return_tokens
+        if self.later:
+            d["later"] = [h.to_wire() for h in self.later]
+        return d
 
     @classmethod
     def from_wire(cls, d: Mapping | None) -> "OpHint | None":
@@ -97,8 +109,10 @@ class OpHint:
             return None
         out = d.get("predicted_output_tokens")
         tool = d.get("tool")
+        ret = d.get("predicted_return_tokens")
+        later = tuple(h for h in (cls.from_wire(x) for x in d.get("later") or ()) if h is not None)
         return cls(int(out) if out is not None else None, ToolHint.from_wire(tool) if tool else None,
-                   int(d.get("priority") or 0))
+                   int(d.get("priority") or 0), int(ret) if ret is not None else None, later)
 
 
 @dataclass(frozen=True)

@@ -209,21 +209,24 @@ def mixed_apps(quick: bool, seed: int) -> list:
     return [W.app("map_reduce", chunks, chunk_tokens, out, seed * 100 + k) for k in range(n_apps)]
 
 
-def mixed_results(quick: bool = False, seed: int = 0,
-                  chunked_prefill: bool = True) -> dict[str, tuple[float, float, int]]:
+def mixed_results(quick: bool = False, seed: int = 0, chunked_prefill: bool = True, *,
+                  policies: tuple[str, ...] = MIXED_POLICIES, with_apps: bool = True,
+                  min_chats: int = 10) -> dict[str, tuple[float, float, int]]:
     """Fig. 19 per policy: (chat mean s per output token, map-reduce mean end-to-end s, chats sent);
-    ``chunked_prefill=False``: every engine schedules as vLLM did in 2023."""
+    ``chunked_prefill=False``: every engine schedules as vLLM did in 2023. Chats arrive until the map-reduce
+    apps are done and at least ``min_chats`` were sent; ``with_apps=False``: the same chats alone (map-reduce
+    time 0)."""
     chat_rate = MIXED_CHAT_RATE
     results = {}
-    for policy in MIXED_POLICIES:
+    for policy in policies:
         cfg = mixed_config(policy, seed, chunked_prefill)
-        apps = mixed_apps(quick, seed)
+        apps = mixed_apps(quick, seed) if with_apps else []
         rng = random.Random(f"chat:{seed}")
 
         async def body(c: SimCluster):
             loop = asyncio.get_running_loop()
             done = asyncio.Event()
-            mode = "parrot" if policy == "parrot" else "baseline"
+            mode = "parrot" if policy.startswith("parrot") else "baseline"
             mr = [asyncio.ensure_future(c.run_app(a, mode, criteria="throughput")) for a in apps]
             chats, i = [], 0
             t0 = loop.time()
@@ -234,20 +237,22 @@ def mixed_results(quick: bool = False, seed: int = 0,
 
             all_mr = asyncio.ensure_future(asyncio.gather(*mr))
             all_mr.add_done_callback(lambda f: done.set())
-            while not done.is_set() or i < 10:
+            while not done.is_set() or i < min_chats:
                 prompt = f"[chat {i}] User: " + W.synth_text(rng.randint(100, 800), rng) + "\nAssistant:"
                 chats.append(asyncio.ensure_future(chat(prompt, rng.randint(50, 400))))
                 i += 1
                 await asyncio.sleep(max(0.0, t0 + i / chat_rate - loop.time()))
             mr_times = await all_mr
             per_token = await asyncio.gather(*chats)
-            return statistics.mean(per_token), statistics.mean(mr_times), len(per_token)
+            return statistics.mean(per_token), statistics.mean(mr_times) if mr_times else 0.0, len(per_token)
 
         results[policy] = _run(cfg, body)
     return results
 
 
 def mixed(quick: bool = False, seed: int = 0) -> str:
+    from parrot.sim.bounds import fig19_bounds  # it builds on this module's runs
+
     n_apps, chunks, chunk_tokens, out = _mixed_size(quick)
     chat_rate = MIXED_CHAT_RATE
     results = mixed_results(quick, seed)
@@ -261,7 +266,7 @@ def mixed(quick: bool = False, seed: int = 0) -> str:
                                "latency cap 4096")
             + f"\n  ours: chat {lat[0] / p[0]:.2f}x / {thr[0] / p[0]:.2f}x, map-reduce {lat[1] / p[1]:.2f}x / "
               f"{thr[1] / p[1]:.2f}x (vs latency / throughput baseline)   paper: chat 5.5x / 1.23x, map-reduce 3.7x "
-              "/ 1.05x")
+              "/ 1.05x\n\n" + fig19_bounds(results, quick, seed))
 
 
 # ---- Fig. 18: multi-agent programming, 1 engine (A100, LLaMA-13B) ---------------------------------------------------

@@ -1,12 +1,15 @@
-"""LAMPS on the simulator: tool policies (lamps / infercept / discard = vLLM / preserve) on a GPU cost model.
+"""LAMPS on the simulator: tool policies (lamps / lamps-request / infercept / discard = vLLM / preserve) on a GPU
+cost model, each table with the zero-load bound no policy can beat.
 
     python -m parrot.sim.tool_experiments [main|ablation|errors|all] [--quick] [--seed N] [--cost-model NAME]
+        [--mix single|multi|toolbench] [--rates R ...] [--policies P ...]
     python -m parrot.sim.experiments tools [--quick]
 
 One simulated engine (the real EngineCore + Scheduler with a cost model, on the virtual clock) is driven through
 the in-process EngineClient, request by request, as a tool-calling client would::
 
-    fill(prompt, c0, hint=h0); generate(c0, hint=h0)    h0 = OpHint(predicted_output_tokens, ToolHint(tool, predicted_s))
+    fill(prompt, c0, hint=h0); generate(c0, hint=h0)    h0 = OpHint(predicted_output_tokens, ToolHint(tool, predicted_s),
+                                                              predicted_return_tokens, later=(h1, h2, ...))
     pause_context(c0, ToolHint(...))           # instead of free_context: the engine keeps / swaps / drops its KV
     sleep(tool duration)                       # the tool runs (virtual clock)
     fill(prompt + out_0 + ret_0, c1)           # a new context whose prefix continues c0: resumed by content match
@@ -43,7 +46,7 @@ from parrot.workloads.tools import ToolRequest, describe, make_workload, with_pr
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("lamps", "infercept", "discard", "preserve")
+POLICIES = ("lamps", "lamps-request", "infercept", "discard", "preserve")
 LAMPS_NO_RANKING = "lamps-fcfs"  # the ablation: predicted handling, FCFS order
 """LAMPS §6.3's first step: predicted handling, FCFS admission."""
 
@@ -111,6 +114,36 @@ def _token_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(FIRST_WORD_ID, vocab) for _ in range(n)]
 
 
+def segment_hints(req: ToolRequest) -> tuple[OpHint, ...]:
+    """Each segment's predictions as the manager would send them: output tokens, tool and its predicted duration,
+    and the tokens the tool returns (exact, as the output and duration hints are without injected error)."""
+    return tuple(OpHint(predicted_output_tokens=s.predicted_output_tokens,
+                        tool=ToolHint(s.tool.name, s.tool.predicted_s) if s.tool is not None else None,
+                        predicted_return_tokens=s.tool.return_tokens if s.tool is not None else None)
+                 for s in req.segments)
+
+
+def zero_load_latency_s(req: ToolRequest, cost: CostModel) -> float:
+    """A lower bound on ``req``'s end-to-end latency under any policy: the request alone on the engine (no queue,
+    no other request in its batches, its KV kept over every tool call), i.e. its tool time plus one prefill
+    iteration per segment (the new tokens after the kept context) and one batch-of-one decode step per output
+    token. Any other request only lengthens an iteration (the cost model is increasing in every term)."""
+    t = 0.0
+    ctx = 0
+    new = req.prompt_tokens
+    for seg in req.segments:
+        t += cost.prefill_s(new, ctx)
+        ctx += new
+        for k in range(seg.output_tokens - 1):  # the prefill iteration's own token is the first output
+            t += cost.decode_s(1, ctx + k)
+        ctx += seg.output_tokens
+        if seg.tool is None:
+            break
+        t += seg.tool.duration_s
+        new = seg.tool.return_tokens
+    return t
+
+
 async def drive_request(client: LocalEngineClient, req: ToolRequest, vocab: int, seed: int) -> RequestResult:
     """Run ``req`` from its arrival: segment by segment, pausing its context over every tool call."""
     loop = asyncio.get_running_loop()
@@ -120,10 +153,11 @@ async def drive_request(client: LocalEngineClient, req: ToolRequest, vocab: int,
     ttft: float | None = None
     resume_tokens = resume_cached = 0
     ctx = ""
+    hints = segment_hints(req)
     for i, seg in enumerate(req.segments):
         ctx = f"r{req.rid}.{i}"
-        tool = ToolHint(seg.tool.name, seg.tool.predicted_s) if seg.tool is not None else None
-        hint = OpHint(predicted_output_tokens=seg.predicted_output_tokens, tool=tool)
+        tool = hints[i].tool
+        hint = dataclasses.replace(hints[i], later=hints[i + 1:])  # the request's remaining calls (lamps-request)
         # as the manager does: the prompt's fill carries the segment's predictions (the engine ranks the request by
         # them), then the generate follows once the fill is done
         filled = await client.fill(tokens, ctx, hint=hint)
@@ -178,24 +212,41 @@ def _conditions(cost: CostModel, requests: Sequence[ToolRequest], extra: str = "
 
 def compare(mix: str = "multi", rates: Sequence[float] = (2.0, 3.0, 4.0), n: int = 1200, seed: int = 0,
             cost: CostModel | None = None, policies: Sequence[str] = POLICIES) -> str:
-    """LAMPS Fig. 6: mean / p99 end-to-end latency and TTFT per policy across request rates."""
+    """LAMPS Fig. 6: mean / p99 end-to-end latency and TTFT per policy across request rates, with the zero-load
+    bound (:func:`zero_load_latency_s`: no policy can go below it) and, against INFERCEPT, the most any policy
+    could gain (``1 - bound / infercept``)."""
     cost = cost or gpu_40gb()
     out = []
     for rate in rates:
         reqs = make_workload(mix, n, rate, seed=seed)
         runs = {p: run_policy(reqs, p, cost, seed=seed) for p in policies}
         lamps = runs.get("lamps")
+        infercept = runs.get("infercept")
         rows = []
         for p, r in runs.items():
             rows.append([p, r.mean("latency_s"), r.p99("latency_s"), r.mean("ttft_s"), r.p99("ttft_s"),
                          r.throughput, _pause_mix(r), r.preemptions,
                          f"{ratio(r.mean('latency_s'), lamps.mean('latency_s')):.2f}x" if lamps else "-",
+                         f"{ratio(r.mean('latency_s'), infercept.mean('latency_s')):.2f}x" if infercept else "-",
+                         f"{ratio(r.p99('latency_s'), infercept.p99('latency_s')):.2f}x" if infercept else "-",
                          f"{ratio(r.mean('ttft_s'), lamps.mean('ttft_s')):.2f}x" if lamps else "-"])
+        bound = sorted(zero_load_latency_s(q, cost) for q in reqs)
+        b_mean = statistics.fmean(bound)
+        b_p99 = bound[min(len(bound) - 1, math.ceil(0.99 * len(bound)) - 1)]
+        b_ttft = statistics.fmean(cost.prefill_s(q.prompt_tokens) for q in reqs)
+        rows.append(["BOUND (zero load)", b_mean, b_p99, b_ttft, "-", "-", "-", "-",
+                     f"{ratio(b_mean, lamps.mean('latency_s')):.2f}x" if lamps else "-",
+                     f"{ratio(b_mean, infercept.mean('latency_s')):.2f}x" if infercept else "-", "-", "-"])
+        note = ""
+        if infercept:
+            gain = 1 - b_mean / infercept.mean("latency_s")
+            note = (f"\n  bound: each request alone on the engine, KV kept over its tool calls (a lower bound for any "
+                    f"policy); the most any policy can cut INFERCEPT's mean latency here is {gain:.1%}")
         out.append(format_table(
             ["policy", "mean lat s", "p99 lat s", "mean TTFT s", "p99 TTFT s", "req/s", "pauses p/s/d",
-             "preempt", "lat / lamps", "TTFT / lamps"], rows,
+             "preempt", "lat / lamps", "lat / infercept", "p99 / infercept", "TTFT / lamps"], rows,
             title=f"[LAMPS Fig. 6] {mix}-API mix at {rate:g} req/s (sim)")
-            + "\n" + _conditions(cost, reqs))
+            + "\n" + _conditions(cost, reqs) + note)
     return "\n\n".join(out)
 
 
@@ -255,13 +306,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mix", default="multi", choices=["single", "multi", "toolbench"])
     p.add_argument("--requests", type=int, default=1200)
     p.add_argument("--rates", type=float, nargs="+", default=[2.0, 3.0, 4.0])
+    p.add_argument("--policies", nargs="+", default=list(POLICIES), help="engine policies to compare (main)")
     p.add_argument("--cost-model", default="llama7b-a100", help="a GPU cost model (its KV cut to 40 GB)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     cost = gpu_40gb(args.cost_model)
     n = 300 if args.quick else args.requests
     rates = args.rates[-1:] if args.quick else args.rates
-    jobs = {"main": lambda: compare(args.mix, rates, n, args.seed, cost),
+    jobs = {"main": lambda: compare(args.mix, rates, n, args.seed, cost, args.policies),
             "ablation": lambda: ablation(args.mix, rates[-1], n, args.seed, cost),
             "errors": lambda: errors(args.mix, rates[-1:], n, args.seed, cost)}
     for name in (list(jobs) if args.name == "all" else [args.name]):

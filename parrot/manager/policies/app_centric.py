@@ -400,7 +400,7 @@ class AppCentricPolicy(Policy):
         free = {e for e in names if WorkKind.LATENCY not in occ.kinds[e]}
         out = []
         for m in members:
-            pool = sorted(free or names)
+            pool = self.throughput_pool(m, names, free, occ, ledger)
             d = self._demand(m, cluster)
             best: tuple | None = None
             for e in pool:
@@ -427,6 +427,13 @@ class AppCentricPolicy(Policy):
             ledger.add(engine, m.request, d, occ.extra_tokens(engine, [m.request]))
             occ.add(engine, m.request, d)
         return out
+
+    def throughput_pool(self, m: QueuedRequest, names: Collection[str], free: Collection[str], occ: Occupancy,
+                        ledger: CostLedger) -> list[str]:
+        """The engines :meth:`fill_throughput` may place throughput request ``m`` on (before backlog and room):
+        Algorithm 1's split -- the engines running no latency work (``free``) when there are any, else all
+        ``names``. A subclass may add latency engines where sharing costs the latency work nothing."""
+        return sorted(free or names)
 
     def share_latency_engine(self, q: QueuedRequest, occ: Occupancy, cluster: ClusterView) -> str | None:
         """A busy engine running only latency work with soft caps that ``q`` (latency work without a TPOT

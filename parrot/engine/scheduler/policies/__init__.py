@@ -8,6 +8,7 @@ A policy orders the engine's waiting queue and decides how a context paused for 
     fcfs         arrival (service order)                           preserved
     preble       Preble's priority groups by cached ratio (§4.3)   preserved
     lamps        LAMPS' memory over time, starving first (§4.3-4.4) predicted at queueing (LAMPS §4.2)
+    lamps-request  as lamps, over the request's remaining segments     as lamps  (``OpHint.later``; LAMPS §6)
     lamps-fcfs   arrival                                           predicted at queueing (the "handling only" ablation)
     infercept    arrival                                           least waste at the pause (INFERCEPT)
     discard      arrival                                           discarded, recomputed on return (vLLM)
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from parrot.engine.scheduler.policies.base import EnginePolicy, EnginePolicyConfig, EngineView
 from parrot.engine.scheduler.policies.fcfs import FcfsDiscard, FcfsLeastWaste, FcfsPredicted, FcfsPreserve, FcfsSwap
 from parrot.engine.scheduler.policies.lamps import LampsPolicy
+from parrot.engine.scheduler.policies.lamps_request import LampsRequestPolicy
 from parrot.engine.scheduler.policies.preble import PreblePreserve
 
 EnginePolicyFactory = Callable[[str, EnginePolicyConfig], EnginePolicy]
@@ -33,6 +35,7 @@ ENGINE_POLICIES: dict[str, EnginePolicyFactory] = {
     "fcfs": lambda name, cfg: FcfsPreserve(name),
     "preble": lambda name, cfg: PreblePreserve(name, cfg.priority_groups),
     "lamps": lambda name, cfg: LampsPolicy(name, cfg.starvation_threshold, cfg.refresh_interval),
+    "lamps-request": lambda name, cfg: LampsRequestPolicy(name, cfg.starvation_threshold, cfg.refresh_interval),
     "lamps-fcfs": lambda name, cfg: FcfsPredicted(name),
     "infercept": lambda name, cfg: FcfsLeastWaste(name),
     "discard": lambda name, cfg: FcfsDiscard(name),
