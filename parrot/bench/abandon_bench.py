@@ -19,42 +19,17 @@ import argparse
 import json
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 
 import httpx
 
+from parrot.bench.load_bench import start_server
 from parrot.bench.machine import describe_machine
 from parrot.common.report import format_conditions, format_table, save_json
 
 PROBE_TOKENS = 128
-
-
-def start(tree: str | None, serve_flags: list[str], log_path: str) -> tuple[subprocess.Popen, str]:
-    """``parrot serve`` from ``tree`` (None: this checkout) on a free port, once /ready answers 200."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ)
-    if tree is not None:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (tree, env.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen([sys.executable, "-m", "parrot.cli", "serve", "--port", str(port), *serve_flags],
-                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env, cwd=tree)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"parrot serve exited; see {log_path}")
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("parrot serve did not become ready")
 
 
 def running_ops(url: str) -> int:
@@ -101,7 +76,7 @@ def abandon(url: str, model: str, n: int, tokens: int, tag: str) -> None:
 
 def one(tree: str | None, args: argparse.Namespace, serve_flags: list[str]) -> dict:
     log_path = os.path.join(tempfile.gettempdir(), f"abandon-bench-{os.getpid()}.log")
-    proc, url = start(tree, serve_flags, log_path)
+    proc, url = start_server(serve_flags, log_path, tree=tree)
     try:
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         probe(url, model, "warm-up", 1)

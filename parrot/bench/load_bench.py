@@ -127,13 +127,18 @@ def summarize(out: dict, args: argparse.Namespace) -> dict:
             "errors": out["errors"][:20]}
 
 
-def start_server(serve_flags: list[str], log_path: str) -> tuple[subprocess.Popen, str]:
+def start_server(serve_flags: list[str], log_path: str, *, tree: str | None = None) -> tuple[subprocess.Popen, str]:
+    """``parrot serve`` on a free 127.0.0.1 port, returned once /ready answers 200 (RuntimeError if it exits or
+    takes over 300 s). ``tree``: another checkout of the project whose code the server runs (from that directory)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log_file = open(log_path, "w")
+    env = dict(os.environ)
+    if tree is not None:  # `python -m` puts the working directory first on the path: run from the tree
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (tree, env.get("PYTHONPATH")) if p)
     proc = subprocess.Popen([sys.executable, "-m", "parrot.cli", "serve", "--port", str(port), *serve_flags],
-                            stdout=log_file, stderr=log_file)
+                            stdout=log_file, stderr=log_file, env=env, cwd=tree)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
