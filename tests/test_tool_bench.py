@@ -11,7 +11,8 @@ import pytest
 
 from parrot.bench import tool_bench as tb
 from parrot.bench.tool_clients import step_template
-from parrot.bench.tool_stats import RunStats, p99, ratios
+from parrot.bench.tool_stats import RunStats, ratios
+from parrot.common.report import p99
 from parrot.workloads.arrivals import poisson_arrivals
 from parrot.workloads.tools import CPU_MIXES, CPU_TOOLS, WorkloadConfig, make_requests
 from parrot.common.template import parse_template, placeholders

@@ -35,6 +35,7 @@ from typing import IO
 
 import httpx
 
+from parrot.common.report import p99
 from parrot.workloads.preble import WORKLOADS, Request, workload
 from parrot.workloads.synth import synth_text
 
@@ -67,11 +68,6 @@ def real_requests(name: str, rate: float, seed: int, cfg: RealConfig) -> list[Re
     return [replace(r, prompt=f"{r.prompt} {synth_text(cfg.nonce_words, rng)}",
                     max_tokens=max(1, min(cfg.max_out, round(r.max_tokens * cfg.out_scale))))
             for r in workload(name, cfg.requests, rate, seed, scale=cfg.scale)]
-
-
-def p99(xs: Sequence[float]) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, -(-99 * len(s) // 100) - 1))]
 
 
 # ---- a cluster per policy ---------------------------------------------------------------------------------------

@@ -5,18 +5,11 @@ The requests themselves are :mod:`parrot.workloads.tools`' CPU-scale agent episo
 
 from __future__ import annotations
 
-import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-
-def p99(xs: Sequence[float]) -> float:
-    """Nearest-rank 99th percentile (the maximum below 100 samples)."""
-    if not xs:
-        raise ValueError("p99 of no samples")
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, math.ceil(0.99 * len(s)) - 1))]
+from parrot.common.report import p99
 
 
 @dataclass

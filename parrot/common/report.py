@@ -15,6 +15,15 @@ from typing import Any
 Cell = str | int | float | None
 
 
+def p99(xs: Sequence[float]) -> float:
+    """Nearest-rank 99th percentile (the maximum below 100 samples); ValueError for no samples. Integer rank
+    arithmetic (ceil(0.99 n) exactly), so every benchmark and simulator table ranks the same sample."""
+    if not xs:
+        raise ValueError("p99 of no samples")
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, -(-99 * len(s) // 100) - 1))]
+
+
 def fmt_num(x: Cell, digits: int = 3) -> str:
     """Numbers with ``digits`` significant digits (thousands separators above 1000); None -> '-'."""
     if x is None:

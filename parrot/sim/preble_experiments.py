@@ -20,13 +20,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import math
 import statistics
 import sys
 import time
 from dataclasses import replace
 
-from parrot.common.report import format_table, save_json
+from parrot.common.report import format_table, p99, save_json
 from parrot.common.step_cost import StepCost
 from parrot.manager.perf_deduction import SchedInfo
 from parrot.manager.policies import E2Config, E2Policy
@@ -40,11 +39,6 @@ from parrot.workloads.azure_trace import azure_mixed, load_trace
 from parrot.workloads.preble import WORKLOADS, Request, workload
 
 log = logging.getLogger(__name__)
-
-
-def p99(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, math.ceil(0.99 * len(s)) - 1)]
 
 
 def requests_of(name: str, n: int, rate: float, seed: int = 0, pattern: str = "poisson", scale: float = 1.0,

@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-import math
 import random
 import statistics
 import sys
@@ -34,7 +33,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from parrot.common.report import format_table, ratio
+from parrot.common.report import format_table, p99, ratio
 from parrot.common.sampling import SamplingParams
 from parrot.protocol.interface import OpHint, ToolHint
 from parrot.engine.clients.local_client import LocalEngineClient
@@ -97,8 +96,7 @@ class RunResult:
         return statistics.fmean(self._vals(attr))
 
     def p99(self, attr: str) -> float:
-        v = sorted(self._vals(attr))
-        return v[min(len(v) - 1, math.ceil(0.99 * len(v)) - 1)]
+        return p99(self._vals(attr))
 
     @property
     def throughput(self) -> float:
@@ -232,7 +230,7 @@ def compare(mix: str = "multi", rates: Sequence[float] = (2.0, 3.0, 4.0), n: int
                          f"{ratio(r.mean('ttft_s'), lamps.mean('ttft_s')):.2f}x" if lamps else "-"])
         bound = sorted(zero_load_latency_s(q, cost) for q in reqs)
         b_mean = statistics.fmean(bound)
-        b_p99 = bound[min(len(bound) - 1, math.ceil(0.99 * len(bound)) - 1)]
+        b_p99 = p99(bound)
         b_ttft = statistics.fmean(cost.prefill_s(q.prompt_tokens) for q in reqs)
         rows.append(["BOUND (zero load)", b_mean, b_p99, b_ttft, "-", "-", "-", "-",
                      f"{ratio(b_mean, lamps.mean('latency_s')):.2f}x" if lamps else "-",
