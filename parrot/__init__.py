@@ -38,6 +38,18 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "connect": ("parrot.frontend.client", "connect"),
     "default_session": ("parrot.frontend.client", "default_session"),
     "local": ("parrot.frontend.local", "local"),
+    # flows: branches and loops run by the server (docs/flows.md)
+    "flow": ("parrot.frontend.flow", "flow"),
+    "trace": ("parrot.frontend.flow", "trace"),
+    "branch": ("parrot.frontend.flow", "branch"),
+    "loop": ("parrot.frontend.flow", "loop"),
+    "map": ("parrot.frontend.flow", "map"),
+    "text": ("parrot.frontend.flow", "text"),
+    "tool": ("parrot.frontend.flow", "tool"),
+    "FlowVar": ("parrot.frontend.flow", "FlowVar"),
+    "FlowRun": ("parrot.frontend.flow", "FlowRun"),
+    "TracedFlow": ("parrot.frontend.flow", "TracedFlow"),
+    "Cond": ("parrot.frontend.conditions", "Cond"),
     # transform spec builders (data; validated when a function is defined)
     "strip": ("parrot.common.transforms", "strip"),
     "first_line": ("parrot.common.transforms", "first_line"),

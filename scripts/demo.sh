@@ -16,7 +16,7 @@ for _ in $(seq 1 300); do
   kill -0 $SERVER 2>/dev/null || { echo "parrot serve exited" >&2; exit 1; }
   sleep 1
 done
-for app in snake_game multi_output chain_summary map_reduce_summary structured_pipeline langchain_chain agent; do
+for app in snake_game multi_output chain_summary map_reduce_summary structured_pipeline langchain_chain agent react_agent refine_until_valid; do
   echo "=== examples/${app}.py"
   .venv/bin/python "examples/${app}.py"
 done

@@ -6,27 +6,33 @@ mapped once by :mod:`parrot.http_edge`.
 
 from __future__ import annotations
 
-from typing import Annotated
+import copy
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi import APIRouter, Body, Depends, Header, Query, Request
 
+from parrot.api.limits import RequestLimits, request_limits
 from parrot.api.schemas import (
     CreateSessionRequest,
     CreateVariableRequest,
     DagResponse,
     DeletedResponse,
+    FlowStatusResponse,
     PlaceholderModel,
     SessionResponse,
     SetVariableRequest,
+    SubmitFlowResponse,
     SubmitRequest,
     SubmitResponse,
+    ToolCallErrorRequest,
+    ToolCallsResponse,
     VariableResponse,
 )
-from parrot.api.limits import RequestLimits, request_limits
 from parrot.api.tenants import ANONYMOUS, Tenant
-from parrot.common.errors import StepFailed
+from parrot.common.errors import InvalidRequestError, StepFailed, TemplateError
 from parrot.common.perf import LatencyTargets, PinnedTargets
 from parrot.common.sampling import SamplingParams
+from parrot.common.template import output_names, parse_template
 from parrot.http_edge import EventStreamResponse, cancel_on_disconnect
 from parrot.manager.graph import ToolDecl
 from parrot.manager.manager import Manager
@@ -158,6 +164,84 @@ def _limited_sampling(p: PlaceholderModel, limits: RequestLimits) -> dict | None
     elif isinstance(asked, int) and not isinstance(asked, bool):  # other types: SamplingParams names the error
         limits.output_tokens(asked, f"placeholders[{p.name}].sampling.max_tokens")
     return sampling
+
+
+@router.post("/sessions/{sid}/flows", response_model=SubmitFlowResponse,
+             responses={400: {"description": "the declaration is invalid; error.param names the step"}})
+async def submit_flow(manager: ManagerDep, session: SessionDep, request: Request,
+                      body: Annotated[dict[str, Any], Body(description="a flow declaration (docs/flows.md)")]
+                      ) -> SubmitFlowResponse:
+    """Branches and loops the manager runs itself: one submission for a whole agent loop (docs/flows.md)."""
+    limits = request_limits(request)
+    request.app.state.in_flight.admit(limits)
+    flow = manager.submit_flow(session, _limited_flow(body, limits))
+    return SubmitFlowResponse(flow_id=flow.flow_id, outputs=flow.outputs)
+
+
+@router.get("/sessions/{sid}/flows/{fid}", response_model=FlowStatusResponse)
+async def flow_status(fid: str, manager: ManagerDep, session: SessionDep) -> FlowStatusResponse:
+    return FlowStatusResponse(**manager.flow_status(session, fid))
+
+
+@router.get("/sessions/{sid}/tool_calls", response_model=ToolCallsResponse)
+async def tool_calls(
+    manager: ManagerDep, session: SessionDep, request: Request,
+    timeout: Annotated[float, Query(ge=0, description="long-poll seconds (capped at 60)")] = 0.0,
+    tools: Annotated[str | None, Query(description="comma-separated tool names this worker runs (default: all)")]
+    = None,
+) -> ToolCallsResponse:
+    """Client tool calls of this session's flows whose arguments are ready; each is handed out once. Answer with
+    ``PUT .../variables/{call_id}`` or ``POST .../tool_calls/{call_id}/error``."""
+    names = None if tools is None else {t.strip() for t in tools.split(",") if t.strip()}
+    calls = await cancel_on_disconnect(request, manager.flows.take_calls(session, names, timeout))
+    manager.sessions.touch(session)
+    return ToolCallsResponse(calls=calls)
+
+
+@router.post("/sessions/{sid}/tool_calls/{call_id}/error", response_model=VariableResponse)
+async def tool_call_error(call_id: str, manager: ManagerDep, session: SessionDep,
+                          body: ToolCallErrorRequest) -> VariableResponse:
+    """The worker could not run the call: its variable fails (cause ``tool_failed``), or holds ``error: <message>``
+    for a step declared ``on_error: value``."""
+    manager.flows.call_error(session, call_id, body.message)
+    var = session.graph.variable(call_id)
+    return VariableResponse(var_id=var.var_id, name=var.name, status=var.status.value, value=var.value)
+
+
+def _limited_flow(body: dict[str, Any], limits: RequestLimits) -> dict[str, Any]:
+    """The declaration with every generate's outputs held to the tenant's max_output_tokens (as a submit's)."""
+    if limits.max_output_tokens is None:
+        return body
+    body = copy.deepcopy(body)
+
+    def walk(steps: Any) -> None:
+        if not isinstance(steps, list):
+            return
+        for step in steps:
+            if not isinstance(step, dict) or len(step) != 1:
+                continue  # the parser names the error
+            kind, spec = next(iter(step.items()))
+            if not isinstance(spec, dict):
+                continue
+            if kind == "generate" and isinstance(spec.get("prompt"), str):
+                try:
+                    outs = output_names(parse_template(spec["prompt"]))
+                except TemplateError:
+                    continue
+                sampling = spec.setdefault("sampling", {})
+                if not isinstance(sampling, dict):
+                    raise InvalidRequestError("generate.sampling must be an object", param="sampling")
+                for out in outs:
+                    p = PlaceholderModel(name=out, is_output=True, sampling=sampling.get(out))
+                    sampling[out] = _limited_sampling(p, limits)
+            for key in ("steps", "default"):
+                walk(spec.get(key))
+            for case in spec.get("cases") or []:
+                if isinstance(case, dict):
+                    walk(case.get("steps"))
+
+    walk(body.get("steps"))
+    return body
 
 
 @router.get("/stats")

@@ -28,7 +28,7 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     @model_validator(mode="after")
-    def _drop_unknown(self) -> "_Lenient":
+    def _drop_unknown(self) -> _Lenient:
         extra = self.__pydantic_extra__
         if extra:
             logger.warning("%s: ignoring unknown field(s) %s", type(self).__name__, ", ".join(sorted(extra)))
@@ -98,6 +98,35 @@ class SubmitRequest(_Strict):
 class SubmitResponse(BaseModel):
     request_id: str
     outputs: dict[str, str]  # output placeholder name -> var_id
+
+
+class SubmitFlowResponse(BaseModel):
+    flow_id: str
+    outputs: dict[str, str]  # exported scope name -> var_id
+
+
+class FlowStatusResponse(BaseModel):
+    flow_id: str
+    name: str
+    status: str  # running | finished | failed
+    outputs: dict[str, str]
+    events: list[dict[str, Any]]
+    error: dict[str, Any] | None = None
+
+
+class ToolCallModel(BaseModel):
+    call_id: str  # the variable to PUT the answer into
+    tool: str
+    args: dict[str, str]
+    flow_id: str
+
+
+class ToolCallsResponse(BaseModel):
+    calls: list[ToolCallModel]
+
+
+class ToolCallErrorRequest(_Strict):
+    message: str = Field(max_length=10_000, description="why the tool failed (the flow sees it)")
 
 
 class DagResponse(BaseModel):

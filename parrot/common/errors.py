@@ -98,6 +98,14 @@ class UnknownVariable(NotFoundError):
     code = "unknown_variable"
 
 
+class UnknownFlow(NotFoundError):
+    code = "unknown_flow"
+
+
+class UnknownToolCall(NotFoundError):
+    code = "unknown_tool_call"
+
+
 class UnknownModel(NotFoundError):
     code = "model_not_found"
 

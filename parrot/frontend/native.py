@@ -30,6 +30,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import inspect
+import itertools
 import logging
 import math
 import re
@@ -81,6 +82,13 @@ class NativeFunction:
 
     def __call__(self, *args: Any, session: Session | None = None, **kwargs: Any
                  ) -> SemanticVariable | tuple[SemanticVariable, ...]:
+        from parrot.frontend.flow import (
+            active_tracer,  # here: parrot.frontend.flow imports this module
+        )
+
+        tracer = active_tracer(itertools.chain(args, kwargs.values()))
+        if tracer is not None:  # inside a flow being traced: a client tool step (docs/flows.md)
+            return tracer.client_tool(self, args, kwargs)
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as e:

@@ -44,17 +44,30 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from parrot.common.errors import (ConstraintIncomplete, EngineUnavailable, LimitExceeded, ParrotError, StepFailed,
-                                  UnknownContext, UnknownSession)
+from parrot.common.errors import (
+    ConstraintIncomplete,
+    EngineUnavailable,
+    LimitExceeded,
+    ParrotError,
+    StepFailed,
+    UnknownContext,
+    UnknownSession,
+)
 from parrot.common.log_context import set_log_context
 from parrot.common.perf import PerfCriteria
 from parrot.common.sampling import FinishReason
 from parrot.common.template import TextSegment
 from parrot.common.transforms import apply_transforms
-from parrot.protocol.interface import EngineClient, FillResult, ModelInfo, OpHint, ToolHint
 from parrot.manager.dispatcher import Dispatcher, DispatchRequest, Lease
 from parrot.manager.failover import Failover, Loss, OrphanContexts
-from parrot.manager.graph import GeneratedTokens, PlaceholderBinding, RequestNode, RequestStatus, Variable, VarStatus
+from parrot.manager.graph import (
+    GeneratedTokens,
+    PlaceholderBinding,
+    RequestNode,
+    RequestStatus,
+    Variable,
+    VarStatus,
+)
 from parrot.manager.metrics import CancelReason, ManagerMetrics
 from parrot.manager.prefix_sharing import Boundary, Fork, PrefixSharing, PromptHead
 from parrot.manager.prefix_store import ContextRef, PrefixHasher, PrefixStore
@@ -63,6 +76,13 @@ from parrot.manager.session import SessionState
 from parrot.manager.tool_context import DagTools, pause_context
 from parrot.manager.tool_predict import Predictors
 from parrot.manager.value_stream import OutputSink, generate_streamed
+from parrot.protocol.interface import (
+    EngineClient,
+    FillResult,
+    ModelInfo,
+    OpHint,
+    ToolHint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +165,34 @@ class GraphExecutor:
         if self.sharing is not None:
             await self.sharing.close_session(session.session_id)
 
+    async def cancel_request(self, session: SessionState, req: RequestNode, err: StepFailed) -> bool:
+        """Stop one request (a speculated flow step that was not taken): its task is cancelled, which frees its
+        context (the engine drops its op within an iteration), then it and its pending outputs fail with ``err``
+        (their consumers with it). False if it had already ended."""
+        if req.status in (RequestStatus.FINISHED, RequestStatus.FAILED):
+            return False
+        task = session.request_tasks.get(req.request_id)
+        if task is not None:
+            task.cancel()
+            await asyncio.wait([task], timeout=CLOSE_WAIT_S)
+        if req.status in (RequestStatus.FINISHED, RequestStatus.FAILED):
+            return False
+        self.prefix_store.remove_queued(_key(session, req))
+        self._fail(session, req, err)
+        return True
+
+    def fail_free_variable(self, session: SessionState, var_id: str, err: StepFailed) -> None:
+        """Fail a pending variable without a producer (a flow's text / tool / exported value) and what reads it."""
+        if session.graph.fail_variable(var_id, err):
+            self._advance(session, session.graph.variables[var_id].consumers)
+
+    def materialize_free(self, session: SessionState, var_id: str, value: str, *,
+                         generated: GeneratedTokens | None = None) -> Variable:
+        """Materialize a variable the manager itself computes (a flow step) and start what waited for it."""
+        session.graph.reserve_text(value, "the value")
+        self.tools.tool_done(session.graph, session.graph.variables[var_id], self._clock())
+        return self._materialize(session, var_id, value, generated=generated)
+
     # ---- propagation ----------------------------------------------------------------------------------------
     def _materialize(self, session: SessionState, var_id: str, value: str, *,
                      generated: GeneratedTokens | None = None) -> Variable:
@@ -194,7 +242,9 @@ class GraphExecutor:
         self.prefix_store.add_queued(_key(session, req), self._known_boundaries(session, req))
         task = asyncio.create_task(self._execute(session, req), name=f"{session.session_id}/{req.request_id}")
         session.tasks.add(task)
+        session.request_tasks[req.request_id] = task
         task.add_done_callback(session.tasks.discard)
+        task.add_done_callback(lambda _t: session.request_tasks.pop(req.request_id, None))
 
     # ---- execution ------------------------------------------------------------------------------------------
     async def _execute(self, session: SessionState, req: RequestNode) -> None:

@@ -165,6 +165,9 @@ class Variable:
     tool_outputs: list[str] = field(default_factory=list)  # var ids of tool-produced variables reading this one
     ready_at: float | None = None  # when it became READY (graph clock)
     generated: GeneratedTokens | None = field(default=None, repr=False)  # its producer's tokens for it
+    # the flow step that made it (parrot.manager.flows: "f_1/steps[0].loop[2]/steps[1].text"); None: the client
+    origin: str | None = None
+    client_tool: bool = False  # a flow's call of a client-side tool: the client's worker sets it
 
     @property
     def done(self) -> bool:
@@ -193,6 +196,7 @@ class RequestNode:
     num_shared_tokens: int = 0  # tokens it inherited from that prefix context instead of filling them
     num_cached_tokens: int = 0  # of the tokens it filled, those the engine served from cached KV (FillResult)
     error: StepFailed | None = None
+    origin: str | None = None  # the flow step that made it (see Variable.origin)
 
     @property
     def label(self) -> str:
@@ -216,6 +220,7 @@ class Graph:
         self.journal = journal or NullJournal()
         self.variables: dict[str, Variable] = {}
         self.requests: dict[str, RequestNode] = {}
+        self.by_origin: dict[str, str] = {}  # a flow step's origin -> the var id / request id it made
         self._num_final = 0  # requests FINISHED or FAILED (see open_requests)
 
     @property
@@ -260,17 +265,23 @@ class Graph:
                                       "variables + requests; create a new session")
 
     def add_variable(self, name: str | None = None, value: str | None = None, *,
-                     tool: ToolDecl | None = None) -> Variable:
+                     tool: ToolDecl | None = None, origin: str | None = None, client_tool: bool = False) -> Variable:
         """A new free variable (READY when ``value`` is given). ``tool``: it is the output of that tool call
-        (validated first: InvalidRequestError naming ``tool.*``, UnknownVariable for an unknown input)."""
+        (validated first: InvalidRequestError naming ``tool.*``, UnknownVariable for an unknown input).
+        ``origin``: the flow step making it (unique per graph; the client cannot set it unless ``client_tool``)."""
         self._check_capacity(1)
+        if origin is not None and origin in self.by_origin:
+            raise IllegalTransition(f"graph of {self.session_id}: origin {origin!r} already made a node")
         if tool is not None:
             self._check_tool(tool, value)
         if value is not None:
             self.reserve_text(value, "the value")
         number = len(self.variables) + 1
-        var = Variable(var_id=f"v_{number}", number=number, name=name, tool=tool)
+        var = Variable(var_id=f"v_{number}", number=number, name=name, tool=tool, origin=origin,
+                       client_tool=client_tool)
         self.variables[var.var_id] = var
+        if origin is not None:
+            self.by_origin[origin] = var.var_id
         if tool is not None:
             for vid in tool.inputs:
                 self.variables[vid].tool_outputs.append(var.var_id)
@@ -312,10 +323,13 @@ class Graph:
         if var.producer is not None:
             raise VariableAlreadySet(f"variable {var_id!r} is produced by request {var.producer!r}; it cannot "
                                      "be set by the client", param="var_id")
+        if var.origin is not None and not var.client_tool:
+            raise VariableAlreadySet(f"variable {var_id!r} is produced by flow step {var.origin!r}; it cannot be "
+                                     "set by the client", param="var_id")
         return var
 
     def add_request(self, name: str | None, segments: Sequence[Segment], bindings: Sequence[PlaceholderBinding],
-                    models: Sequence[str] = ()) -> RequestNode:
+                    models: Sequence[str] = (), *, origin: str | None = None) -> RequestNode:
         """Insert a request. Validates everything before changing anything (a rejected submit leaves no trace).
 
         Raises UnknownVariable (404) for unknown ids, VariableAlreadySet (409) for an output variable that
@@ -347,6 +361,8 @@ class Graph:
             existing_outputs[b.var_id] = b.name
         inputs = tuple(dict.fromkeys(b.var_id for b in bindings if not b.is_output))
         self._check_acyclic(inputs, existing_outputs)
+        if origin is not None and origin in self.by_origin:
+            raise IllegalTransition(f"graph of {self.session_id}: origin {origin!r} already made a node")
         self._check_capacity(1 + sum(1 for b in bindings if b.is_output and b.var_id is None))
 
         number = len(self.requests) + 1
@@ -354,7 +370,9 @@ class Graph:
         bound: dict[str, PlaceholderBinding] = {}
         for b in bindings:
             if b.is_output and b.var_id is None:
-                b = PlaceholderBinding(b.name, True, self.add_variable(b.name).var_id, b.sampling, b.transforms)
+                out_origin = None if origin is None else f"{origin}:{b.name}"
+                b = PlaceholderBinding(b.name, True, self.add_variable(b.name, origin=out_origin).var_id, b.sampling,
+                                       b.transforms)
             bound[b.name] = b
         # keep the template order of placeholders (bindings may come in any order)
         order = [s.name for s in segments if isinstance(s, PlaceholderSegment)]
@@ -362,8 +380,10 @@ class Graph:
         outputs = tuple(b.var_id for b in bound.values() if b.is_output)
         req = RequestNode(request_id=request_id, number=number, name=name, segments=tuple(segments),
                           bindings=bound, inputs=inputs, outputs=outputs, models=tuple(models),
-                          times=RequestTimes(submitted=self._clock()))
+                          times=RequestTimes(submitted=self._clock()), origin=origin)
         self.requests[request_id] = req
+        if origin is not None:
+            self.by_origin[origin] = request_id
         self._charge(prompt_bytes)
         for vid in outputs:
             self.variables[vid].producer = request_id
@@ -379,12 +399,16 @@ class Graph:
             raise IllegalTransition(f"graph of {self.session_id}: load() needs an empty graph")
         for var in variables:
             self.variables[var.var_id] = var
+            if var.origin is not None:
+                self.by_origin[var.origin] = var.var_id
             if var.value is not None:
                 self._charge(len(var.value.encode()))
             if var.done:
                 var._done.set()
         for req in requests:
             self.requests[req.request_id] = req
+            if req.origin is not None:
+                self.by_origin[req.origin] = req.request_id
             self._charge(sum(len(seg.text.encode()) for seg in req.segments if isinstance(seg, TextSegment)))
             self._num_final += req.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
 
@@ -488,7 +512,8 @@ class Graph:
                 lines.append(f"%{var.number} = tool {var.tool.name}{' <- ' + ins if ins else ''}{value}  "
                              f"[{_var_notes(var)}]")
                 continue
-            lines.append(f"%{var.number} = input {var.name or var.var_id}{value}  [{_var_notes(var)}]")
+            kind = "input" if var.origin is None else "flow"  # set by the client / computed by a flow step
+            lines.append(f"%{var.number} = {kind} {var.name or var.var_id}{value}  [{_var_notes(var)}]")
         for req in self.requests.values():
             outs = ", ".join(f"%{self.variables[v].number}" for v in req.outputs) or "_"
             ins = ", ".join(f"%{self.variables[v].number}" for v in req.inputs)
@@ -501,6 +526,8 @@ class Graph:
             notes.extend(f"get:{p}" for p in sorted(perfs))
             if req.error is not None:
                 notes.append(f"error {req.error.cause_code}")
+            if req.origin is not None:
+                notes.append(f"flow {req.origin}")
             arrow = f" <- {ins}" if ins else ""
             lines.append(f"{outs} = {req.request_id} {req.label}{arrow}  [{', '.join(notes)}]")
         return "\n".join(lines)
@@ -513,6 +540,7 @@ class Graph:
                  "perf": v.perf.criteria.value if v.perf else None,
                  "value_chars": None if v.value is None else len(v.value),
                  "tool": v.tool.to_json() if v.tool is not None else None,
+                 "origin": v.origin,
                  "error": _error_json(v.error)}
                 for v in self.variables.values()
             ],
@@ -521,7 +549,7 @@ class Graph:
                  "inputs": list(r.inputs), "outputs": list(r.outputs), "status": r.status.value,
                  "engine": r.engine, "context_id": r.context_id, "prefix_context": r.prefix_context,
                  "num_shared_tokens": r.num_shared_tokens, "num_cached_tokens": r.num_cached_tokens,
-                 "timestamps": r.times.to_dict(),
+                 "timestamps": r.times.to_dict(), "origin": r.origin,
                  "error": _error_json(r.error)}
                 for r in self.requests.values()
             ],
@@ -534,6 +562,8 @@ def _short(text: str, limit: int = 40) -> str:
 
 def _var_notes(var: Variable) -> str:
     notes = [var.status.value]
+    if var.origin is not None:
+        notes.append(f"flow {var.origin}")
     if var.perf is not None:
         notes.append(f"get:{var.perf.criteria.value}")
     if var.error is not None:

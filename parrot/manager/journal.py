@@ -5,10 +5,14 @@ Who writes what (the graph and the session store call the hooks; nothing else wr
 
     sessions   (session_id, owner, token_sha256, ttl_s, created_at)        <- SessionStore.create / delete, expiry
     variables  (session_id, var_id, number, name, status, value, raw,      <- Graph.add_variable, materialize,
-                error, perf, perf_at)                                          fail_variable, set_perf_obj;
+                error, perf, perf_at, origin, client_tool)                     fail_variable, set_perf_obj;
                                                                                raw: an output's text before transforms
     requests   (session_id, request_id, number, spec, status, error)       <- Graph.add_request, set_status
+    flows      (session_id, flow_id, number, body, outputs, status)        <- FlowService.submit, a flow's end
     meta       (key, value): schema_version
+
+Schema version 2 added ``flows`` and the variables' ``origin`` / ``client_tool`` (parrot.manager.flows); a version 1
+journal is migrated in place when opened (the columns and table are added; nothing is rewritten).
 
 Invariants:
 
@@ -50,7 +54,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 DB_NAME = "parrot-journal.sqlite3"
 WAL_SIZE_LIMIT = 64 * 1024 * 1024  # bytes the write-ahead log is truncated to after a checkpoint
 
@@ -62,12 +66,23 @@ CREATE TABLE sessions (
 CREATE TABLE variables (
     session_id TEXT NOT NULL REFERENCES sessions(session_id) ON DELETE CASCADE, var_id TEXT NOT NULL,
     number INTEGER NOT NULL, name TEXT, status TEXT NOT NULL, value TEXT, raw TEXT, error TEXT, perf TEXT,
-    perf_at REAL, PRIMARY KEY (session_id, var_id));
+    perf_at REAL, origin TEXT, client_tool INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (session_id, var_id));
 CREATE TABLE requests (
     session_id TEXT NOT NULL REFERENCES sessions(session_id) ON DELETE CASCADE, request_id TEXT NOT NULL,
     number INTEGER NOT NULL, spec TEXT NOT NULL, status TEXT NOT NULL, error TEXT,
     PRIMARY KEY (session_id, request_id));
 """
+_FLOWS_TABLE = """CREATE TABLE flows (
+    session_id TEXT NOT NULL REFERENCES sessions(session_id) ON DELETE CASCADE, flow_id TEXT NOT NULL,
+    number INTEGER NOT NULL, body TEXT NOT NULL, outputs TEXT NOT NULL, status TEXT NOT NULL,
+    PRIMARY KEY (session_id, flow_id))"""
+_SCHEMA += _FLOWS_TABLE + ";"
+# version 1 -> 2, statement by statement (inside the opening transaction)
+_MIGRATE_1_TO_2 = (
+    "ALTER TABLE variables ADD COLUMN origin TEXT",
+    "ALTER TABLE variables ADD COLUMN client_tool INTEGER NOT NULL DEFAULT 0",
+    _FLOWS_TABLE,
+)
 
 
 class JournalError(RuntimeError):
@@ -93,6 +108,8 @@ class VariableRecord:
     error: ErrorRecord | None
     perf: str | None  # a PerfCriteria value recorded by a GET
     perf_at: float | None
+    origin: str | None = None  # the flow step that made it
+    client_tool: bool = False
 
 
 @dataclass(frozen=True)
@@ -105,6 +122,15 @@ class RequestRecord:
 
 
 @dataclass(frozen=True)
+class FlowRecord:
+    flow_id: str
+    number: int
+    body: dict  # the declaration as submitted
+    outputs: dict[str, str]  # exported name -> var id
+    status: str  # a FlowStatus value
+
+
+@dataclass(frozen=True)
 class SessionRecord:
     session_id: str
     owner: str
@@ -113,6 +139,7 @@ class SessionRecord:
     created_at: float
     variables: tuple[VariableRecord, ...]  # in number order
     requests: tuple[RequestRecord, ...]  # in number order
+    flows: tuple[FlowRecord, ...] = ()  # in number order
 
 
 # ---- the interface ---------------------------------------------------------------------------------------------
@@ -149,6 +176,12 @@ class Journal(ABC):
     @abstractmethod
     def request_status(self, session_id: str, req: RequestNode) -> None:
         """``req`` changed status (journals keep final ones only: see the module docstring)."""
+
+    @abstractmethod
+    def flow_added(self, session_id: str, flow: FlowRecord) -> None: ...
+
+    @abstractmethod
+    def flow_status(self, session_id: str, flow_id: str, status: str) -> None: ...
 
     @abstractmethod
     def load(self) -> list[SessionRecord]:
@@ -188,6 +221,12 @@ class NullJournal(Journal):
     def request_status(self, session_id: str, req: RequestNode) -> None:
         return None
 
+    def flow_added(self, session_id: str, flow: FlowRecord) -> None:
+        return None
+
+    def flow_status(self, session_id: str, flow_id: str, status: str) -> None:
+        return None
+
     def load(self) -> list[SessionRecord]:
         return []
 
@@ -204,6 +243,7 @@ def request_spec(req: RequestNode) -> dict:
         "name": req.name,
         "models": list(req.models),
         "submitted": req.times.submitted,
+        "origin": req.origin,
         "segments": [{"text": s.text} if isinstance(s, TextSegment) else {"name": s.name, "is_output": s.is_output}
                      for s in req.segments],
         "bindings": [{"name": b.name, "is_output": b.is_output, "var_id": b.var_id,
@@ -287,6 +327,12 @@ class SqliteJournal(Journal):
                 raise JournalError(f"{self.path} is an SQLite database but not a Parrot journal (no meta table)")
             else:
                 row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+                if row is not None and row[0] == "1":
+                    for statement in _MIGRATE_1_TO_2:
+                        db.execute(statement)
+                    db.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
+                    logger.info("journal %s: migrated from schema 1 to %d", self.path, SCHEMA_VERSION)
+                    row = (str(SCHEMA_VERSION),)
                 if row is None or row[0] != str(SCHEMA_VERSION):
                     raise JournalError(f"{self.path} has journal schema version {row[0] if row else None}; this "
                                        f"Parrot reads version {SCHEMA_VERSION}")
@@ -344,9 +390,10 @@ class SqliteJournal(Journal):
         self._write("DELETE FROM sessions WHERE session_id = ?", (session_id,))  # cascades to its nodes
 
     def variable_added(self, session_id: str, var: Variable) -> None:
-        self._write("INSERT OR IGNORE INTO variables (session_id, var_id, number, name, status) "
-                    "SELECT ?, ?, ?, ?, ? WHERE EXISTS (SELECT 1 FROM sessions WHERE session_id = ?)",
-                    (session_id, var.var_id, var.number, var.name, var.status.value, session_id))
+        self._write("INSERT OR IGNORE INTO variables (session_id, var_id, number, name, status, origin, client_tool) "
+                    "SELECT ?, ?, ?, ?, ?, ?, ? WHERE EXISTS (SELECT 1 FROM sessions WHERE session_id = ?)",
+                    (session_id, var.var_id, var.number, var.name, var.status.value, var.origin, int(var.client_tool),
+                     session_id))
 
     def variable_done(self, session_id: str, var: Variable) -> None:
         self._write("UPDATE variables SET status = ?, value = ?, error = ? WHERE session_id = ? AND var_id = ?",
@@ -372,22 +419,35 @@ class SqliteJournal(Journal):
         self._write("UPDATE requests SET status = ?, error = ? WHERE session_id = ? AND request_id = ?",
                     (req.status.value, _error_json(req.error), session_id, req.request_id))
 
+    def flow_added(self, session_id: str, flow: FlowRecord) -> None:
+        self._write("INSERT OR IGNORE INTO flows (session_id, flow_id, number, body, outputs, status) "
+                    "SELECT ?, ?, ?, ?, ?, ? WHERE EXISTS (SELECT 1 FROM sessions WHERE session_id = ?)",
+                    (session_id, flow.flow_id, flow.number, json.dumps(flow.body), json.dumps(flow.outputs),
+                     flow.status, session_id))
+
+    def flow_status(self, session_id: str, flow_id: str, status: str) -> None:
+        self._write("UPDATE flows SET status = ? WHERE session_id = ? AND flow_id = ?", (status, session_id, flow_id))
+
     # ---- reading -----------------------------------------------------------------------------------------------
     def load(self) -> list[SessionRecord]:
         self._commit()
         db = self._db
         variables: dict[str, list[VariableRecord]] = {}
-        for r in db.execute("SELECT session_id, var_id, number, name, status, value, raw, error, perf, perf_at "
-                            "FROM variables ORDER BY session_id, number"):
+        for r in db.execute("SELECT session_id, var_id, number, name, status, value, raw, error, perf, perf_at, "
+                            "origin, client_tool FROM variables ORDER BY session_id, number"):
             variables.setdefault(r[0], []).append(VariableRecord(r[1], r[2], r[3], r[4], r[5], r[6],
-                                                                 _error_record(r[7]), r[8], r[9]))
+                                                                 _error_record(r[7]), r[8], r[9], r[10], bool(r[11])))
+        flows: dict[str, list[FlowRecord]] = {}
+        for r in db.execute("SELECT session_id, flow_id, number, body, outputs, status FROM flows "
+                            "ORDER BY session_id, number"):
+            flows.setdefault(r[0], []).append(FlowRecord(r[1], r[2], json.loads(r[3]), json.loads(r[4]), r[5]))
         requests: dict[str, list[RequestRecord]] = {}
         for r in db.execute("SELECT session_id, request_id, number, spec, status, error FROM requests "
                             "ORDER BY session_id, number"):
             requests.setdefault(r[0], []).append(RequestRecord(r[1], r[2], json.loads(r[3]), r[4],
                                                                _error_record(r[5])))
         return [SessionRecord(sid, owner, bytes(digest), ttl, created, tuple(variables.get(sid, ())),
-                              tuple(requests.get(sid, ())))
+                              tuple(requests.get(sid, ())), tuple(flows.get(sid, ())))
                 for sid, owner, digest, ttl, created in db.execute(
                     "SELECT session_id, owner, token_sha256, ttl_s, created_at FROM sessions ORDER BY created_at")]
 

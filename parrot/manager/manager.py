@@ -20,7 +20,15 @@ from parrot.common.perf import PerfCriteria, PinnedTargets
 from parrot.manager.dispatcher import Dispatcher, Policy
 from parrot.manager.engine_registry import EngineRegistry
 from parrot.manager.executor import GraphExecutor
-from parrot.manager.graph import RequestNode, ToolDecl, Variable, VarStatus
+from parrot.manager.flows.profile import FlowStats
+from parrot.manager.flows.service import FlowService, FlowSettings, SubmittedFlow
+from parrot.manager.graph import (
+    RequestNode,
+    RequestStatus,
+    ToolDecl,
+    Variable,
+    VarStatus,
+)
 from parrot.manager.journal import Journal, open_journal
 from parrot.manager.metrics import CancelReason, ManagerMetrics
 from parrot.manager.perf_deduction import PerfDeduction
@@ -74,15 +82,28 @@ class ManagerConfig(BaseModel):
                                   "on start, continue the sessions found there (parrot.manager.restore)")
     restore_wait_s: float = Field(60.0, ge=0, description="after a restart with no live engine, how long restored "
                                   "requests wait for one to register before they fail")
+    # flows: branches and loops run server-side (docs/flows.md)
+    flow_speculation: bool = Field(True, description="start a branch's likely case before its condition is ready")
+    flow_speculation_min_prob: float = Field(0.75, gt=0, le=1, description="speculate on a case taken in at least "
+                                             "this share of the branch's recent runs")
+    flow_speculation_min_runs: int = Field(5, ge=1, description="recent runs a branch needs before speculation")
+    flow_max_steps: int = Field(64, ge=1, le=10_000, description="largest max_steps a flow loop may declare")
+    flow_tool_timeout_s: float = Field(300.0, gt=0, description="a client tool call not answered within this fails "
+                                       "(cause tool_timeout)")
 
     @model_validator(mode="after")
-    def _check_caps(self) -> "ManagerConfig":
+    def _check_caps(self) -> ManagerConfig:
         self.capacity_config()  # ValueError if latency_cap_tokens > throughput_cap_tokens
         return self
 
     def capacity_config(self) -> CapacityConfig:
         return CapacityConfig(latency_cap_tokens=self.latency_cap_tokens,
                               throughput_cap_tokens=self.throughput_cap_tokens)
+
+    def flow_settings(self) -> FlowSettings:
+        return FlowSettings(speculation=self.flow_speculation, speculation_min_prob=self.flow_speculation_min_prob,
+                            speculation_min_runs=self.flow_speculation_min_runs, max_steps=self.flow_max_steps,
+                            tool_timeout_s=self.flow_tool_timeout_s)
 
     def sharing_config(self) -> SharingConfig:
         return SharingConfig(enabled=self.prefix_sharing, min_tokens=self.prefix_min_tokens,
@@ -139,6 +160,10 @@ class Manager:
                                       on_activity=self.sessions.touch, clock=clock, recent=self.recent,
                                       max_attempts=self.config.max_attempts, metrics=self.metrics,
                                       predictors=self.predictors)
+        self.flows = FlowService(self.executor, self._add_flow_request, clock=clock,
+                                 settings=self.config.flow_settings(), journal=self.journal,
+                                 stats=FlowStats(on_speculation=self.metrics.flow_speculation,
+                                                 on_iteration=self.metrics.flow_iteration))
         self.metrics.watch(self)
         self._background: list[asyncio.Task] = []
 
@@ -177,6 +202,7 @@ class Manager:
         await self.dispatcher.close()
 
     async def _close(self, session: SessionState, reason: CancelReason) -> None:
+        await self.flows.close_session(session)  # first: its steps must not make nodes while the session closes
         await self.executor.close_session(session, reason)
         self.deduction.forget(session.session_id)
 
@@ -220,7 +246,9 @@ class Manager:
         return session.graph.add_variable(name, value, tool=tool)
 
     def set_variable(self, session: SessionState, var_id: str, value: str) -> Variable:
-        return self.executor.set_value(session, var_id, value)
+        var = self.executor.set_value(session, var_id, value)
+        self.flows.answered(session, var_id)  # a client tool call's answer
+        return var
 
     async def get_variable(self, session: SessionState, var_id: str, *, criteria: str | PerfCriteria | None = None,
                            timeout_s: float = 0.0, targets: PinnedTargets | None = None) -> VariableView:
@@ -236,13 +264,15 @@ class Manager:
         if perf is None and targets is not None and not targets.empty:
             perf = PerfCriteria.LATENCY
         if perf is not None and self.deduction.annotate(graph, var_id, perf, targets):
+            self.dispatcher.kick()
+        if perf is not None and var.origin is not None and self._flow_criteria(session, var, perf):
             self.dispatcher.kick()  # queued requests of this app may be placed differently now
         timeout_s = min(timeout_s, self.config.max_long_poll_s)
         if not var.done and timeout_s > 0:
             session.waiting_gets += 1
             try:
                 await asyncio.wait_for(var.wait(), timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             finally:  # also when the client went away mid-wait: its producer keeps running for the session
                 session.waiting_gets -= 1
@@ -269,6 +299,42 @@ class Manager:
             self.dispatcher.kick()
         return req
 
+    def _add_flow_request(self, session: SessionState, name, segments, bindings, models, origin: str) -> RequestNode:
+        """A flow's generate step: inserted and started like a submit (deduction, dispatcher), with its origin."""
+        req = session.graph.add_request(name, segments, bindings, tuple(models), origin=origin)
+        run = session.flows.get(origin.split("/", 1)[0])
+        relabeled = self.deduction.submitted(session.graph, req)
+        if run is not None and run.criteria is not None:  # a GET of the flow's outputs asked for this
+            relabeled = self.deduction.annotate(session.graph, req.outputs[0], run.criteria) or relabeled
+        self.executor.submitted(session, req)
+        if relabeled:
+            self.dispatcher.kick()
+        return req
+
+    def _flow_criteria(self, session: SessionState, var: Variable, perf: PerfCriteria) -> bool:
+        """A GET of a flow's export with a criterion: the flow's steps are what produces it, but they reach the
+        export through the flow (not DAG edges), so each unfinished one is annotated here, and the ones the flow
+        makes later when they are made (``_add_flow_request``). Returns True if labels changed."""
+        if var.origin is None or "/" in var.origin:
+            return False  # not an export (an inner step's value: its DAG edges already carry the criterion)
+        run = session.flows.get(var.origin.split(":", 1)[0])
+        if run is None or run.criteria is perf:
+            return False
+        run.criteria = perf
+        changed = False
+        for req in session.graph.requests.values():
+            if req.origin is not None and req.origin.startswith(run.flow_id + "/") and req.outputs and \
+                    req.status not in (RequestStatus.FINISHED, RequestStatus.FAILED):
+                changed = self.deduction.annotate(session.graph, req.outputs[0], perf) or changed
+        return changed
+
+    def submit_flow(self, session: SessionState, body: dict) -> SubmittedFlow:
+        """Check and start a flow (docs/flows.md): branches and loops the manager runs itself."""
+        return self.flows.submit(session, body)
+
+    def flow_status(self, session: SessionState, flow_id: str) -> dict:
+        return self.flows.status(session, flow_id)
+
     def prefix_stats(self) -> PrefixStats:
         """Prefix-sharing counters (contexts created/freed, forks, tokens shared and saved)."""
         return self.sharing.stats()
@@ -279,7 +345,8 @@ class Manager:
         return {"sessions": len(self.sessions), "prefix_sharing": self.sharing.stats().to_dict(),
                 "scheduler": self.dispatcher.stats(),
                 "failover": {"rescheduled": self.executor.num_rescheduled, "engine_deaths": self.registry.num_deaths},
-                "tools": self.predictors.stats(p for p in engine_pauses if isinstance(p, dict))}
+                "tools": self.predictors.stats(p for p in engine_pauses if isinstance(p, dict)),
+                "flows": {**self.flows.stats.to_dict(), "branch_frequencies": self.flows.profile.frequencies()}}
 
     def dag(self, session: SessionState) -> DagDump:
         """The session's DAG; requests carry their deduced ``sched`` labels, and the text ends with one

@@ -15,6 +15,8 @@ What a restart keeps and what it does not::
                                        needed); outputs it had materialized are filled back from their raw
                                        text, never generated twice
     perf criteria recorded by GETs     recorded again, labels re-deduced (latency targets are not kept)
+    flow (declaration, exports)        running flows run again over the restored graph, meeting the nodes they had
+                                       made by origin: a loop continues at its iteration (parrot.manager.flows)
     engine contexts, prefix store      gone (engines re-register or are rebuilt; contexts are refilled)
 
 Engines that register over HTTP come back on their own schedule (their heartbeat backoff), so when no engine is
@@ -33,9 +35,21 @@ from parrot.common.perf import PerfCriteria
 from parrot.common.sampling import SamplingParams
 from parrot.common.template import PlaceholderSegment, Segment, TextSegment
 from parrot.common.transforms import validate_transform
-from parrot.manager.graph import (PlaceholderBinding, RequestNode, RequestStatus, RequestTimes, Variable,
-                                  VarStatus)
-from parrot.manager.journal import ErrorRecord, JournalError, RequestRecord, SessionRecord, VariableRecord
+from parrot.manager.graph import (
+    PlaceholderBinding,
+    RequestNode,
+    RequestStatus,
+    RequestTimes,
+    Variable,
+    VarStatus,
+)
+from parrot.manager.journal import (
+    ErrorRecord,
+    JournalError,
+    RequestRecord,
+    SessionRecord,
+    VariableRecord,
+)
 from parrot.manager.perf import PerfAnnotation
 from parrot.manager.session import SessionState
 
@@ -51,7 +65,7 @@ def _error(rec: ErrorRecord | None) -> StepFailed | None:
 
 def rebuild_variable(rec: VariableRecord) -> Variable:
     var = Variable(var_id=rec.var_id, number=rec.number, name=rec.name, status=VarStatus(rec.status),
-                   value=rec.value, error=_error(rec.error))
+                   value=rec.value, error=_error(rec.error), origin=rec.origin, client_tool=rec.client_tool)
     if rec.perf is not None:
         var.perf = PerfAnnotation(PerfCriteria(rec.perf), rec.perf_at if rec.perf_at is not None else 0.0)
     return var
@@ -72,7 +86,8 @@ def rebuild_request(rec: RequestRecord) -> RequestNode:
         request_id=rec.request_id, number=rec.number, name=spec["name"], segments=tuple(segments),
         bindings=bindings, inputs=tuple(dict.fromkeys(b.var_id for b in bindings.values() if not b.is_output)),
         outputs=tuple(b.var_id for b in bindings.values() if b.is_output), models=tuple(spec["models"]),
-        times=RequestTimes(submitted=spec["submitted"]), status=RequestStatus(rec.status), error=_error(rec.error))
+        times=RequestTimes(submitted=spec["submitted"]), status=RequestStatus(rec.status), error=_error(rec.error),
+        origin=spec.get("origin"))
 
 
 def _settle(req: RequestNode, variables: dict[str, Variable]) -> None:
@@ -129,6 +144,7 @@ def restore_sessions(manager: Manager) -> int:
             generated = {v: raws[v] if raws[v] is not None else graph.variables[v].value or ""
                          for v in req.outputs if graph.variables[v].status is VarStatus.READY}
             work.append((session, req, generated))
+        manager.flows.restore(session, rec.flows)
     if records:
         logger.info("restored %d session(s) from the journal; %d unfinished request(s) run again", len(records),
                     len(work))

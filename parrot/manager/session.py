@@ -19,6 +19,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from parrot.common.errors import InvalidRequestError, InvalidSessionToken, UnknownSession
 from parrot.manager.graph import Graph
@@ -45,6 +46,9 @@ class SessionState:
     created_at: float  # the store's clock
     # asyncio tasks executing requests of this session (removed when done)
     tasks: set[asyncio.Task] = field(default_factory=set)
+    request_tasks: dict[str, asyncio.Task] = field(default_factory=dict)  # request id -> its task (same tasks)
+    # the session's flows (parrot.manager.flows.runner.FlowRun), by flow id, and their client tool calls
+    flows: dict[str, Any] = field(default_factory=dict)
     # live engine contexts owned by the session: context id -> engine name (freed by whoever removes them)
     contexts: dict[str, str] = field(default_factory=dict)
     closed: bool = False

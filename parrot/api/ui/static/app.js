@@ -2,11 +2,14 @@
 // header, never in a URL), renders each snapshot (engines, sessions' DAGs via dag.js, recent requests).
 // The key is kept in sessionStorage (this tab only). A 401 clears the view and waits for another key; a
 // dropped stream reconnects with backoff; a stream the server ends ([DONE], after its time bound) reconnects.
+// A session's flows (server-side branches and loops) are listed above its DAG: status, iterations per loop,
+// each branch's decision and speculation outcome, the newest events; dag.js bands the nodes by flow scope.
 (function () {
   "use strict";
   const KEY = "parrot-ui-key";
   const $ = (sel) => document.querySelector(sel);
   let controller = null, snapshots = 0, retryMs = 500;
+  const opened = new Set();  // <details> the reader opened (by data-key): kept open across snapshots
 
   function h(tag, attrs, ...children) {
     const e = document.createElement(tag);
@@ -87,6 +90,65 @@
     }));
   }
 
+  // a <details> that stays open across re-renders
+  function details(key, summary, ...body) {
+    const d = h("details", { "data-key": key }, h("summary", { text: summary }), ...body);
+    if (opened.has(key)) d.open = true;
+    d.addEventListener("toggle", () => { if (d.open) opened.add(key); else opened.delete(key); });
+    return d;
+  }
+
+  const local = (fid, path) => (path === fid ? "(flow)" : path.startsWith(fid + "/") ? path.slice(fid.length + 1) : path);
+
+  function renderFlows(sid, flows) {
+    const box = h("div", { class: "flows", "data-flows": flows.length });
+    box.append(h("div", { class: "flows-title", text: `${flows.length} flow(s), newest first` }));
+    for (const f of flows) {
+      const sp = f.speculation || { speculated: 0, hit: 0, miss: 0, wasted_tokens: 0 };
+      const card = h("div", { class: "flow", "data-flow": f.flow_id, "data-name": f.name, "data-status": f.status,
+        "data-iterations": f.iterations, "data-speculation": `${sp.hit}/${sp.miss}` });
+      card.append(h("div", { class: "flow-head" }, h("b", { class: "mono", text: f.flow_id }), h("span", { text: f.name }),
+        h("span", { class: "status", "data-status": f.status, text: f.status }),
+        h("span", { class: "muted", text: `${f.requests} request(s) · ${f.iterations} iteration(s) evaluated` +
+          (sp.speculated ? ` · speculated ${sp.speculated}: ${sp.hit} hit, ${sp.miss} miss` +
+            (sp.wasted_tokens ? `, ${sp.wasted_tokens} tok wasted` : "") : "") })));
+      if (f.error) card.append(h("div", { class: "flow-error", text: `${f.error.cause}: ${f.error.message}` }));
+      const chips = h("div", { class: "chips" });
+      for (const lp of f.loops) {
+        chips.append(h("span", { class: "chip loop", "data-loop": lp.path, "data-iterations": lp.iterations,
+          "data-evaluated": lp.evaluated, "data-state": lp.state, title: `${lp.path}: ${lp.iterations} iteration(s) ` +
+            `made, ${lp.evaluated} evaluated (last ${lp.last_until || "—"})`,
+          text: `loop ${lp.name || local(f.flow_id, lp.path)}: ${lp.iterations} iteration(s)` +
+            (lp.evaluated !== lp.iterations ? ` (${lp.evaluated} evaluated)` : "") +
+            (lp.state === "running" ? " …" : lp.state === "max_steps" ? " · max_steps" : " · done") }));
+      }
+      for (const br of f.branches) {
+        const spec = br.speculated === null || br.speculated === undefined ? "" :
+          ` · speculated case${br.speculated}: ${br.speculation}` +
+          (br.speculation === "miss" && br.wasted_tokens ? ` (${br.wasted_tokens} tok wasted)` : "");
+        chips.append(h("span", { class: "chip branch", "data-branch": br.path, "data-case": br.case_label || "",
+          "data-speculation": br.speculation || "none", title: br.path,
+          text: `branch ${br.name || local(f.flow_id, br.path)} → ${br.case_label || "pending"}${spec}` }));
+      }
+      for (const mp of f.maps) {
+        chips.append(h("span", { class: "chip map", "data-map": mp.path, "data-items": mp.items ?? "",
+          title: mp.path, text: `map ${mp.name || local(f.flow_id, mp.path)}: ${mp.items ?? "?"} item(s)` }));
+      }
+      if (chips.childElementCount) card.append(chips);
+      if (f.events.length) {
+        const rows = f.events.map((e) => h("tr", { "data-event": e.event },
+          h("td", { text: new Date(e.at * 1000).toLocaleTimeString() }),
+          h("td", { class: "mono", text: local(f.flow_id, e.path) }),
+          h("td", { text: e.event }), h("td", { text: e.detail })));
+        card.append(details(`${sid}/${f.flow_id}/events`, f.events_total > f.events.length
+          ? `events (newest ${f.events.length} of ${f.events_total})` : `events (${f.events_total})`,
+          h("table", { class: "events" }, h("tbody", {}, ...rows))));
+      }
+      box.append(card);
+    }
+    return box;
+  }
+
   function renderSessions(sessions, names) {
     const box = $("#sessions");
     if (!sessions.length) { box.replaceChildren(h("div", { class: "empty", text: "no open sessions" })); return; }
@@ -97,9 +159,9 @@
       sec.append(h("h3", { text: s.session_id }));
       sec.append(h("div", { class: "counts", text: `${s.requests.length} requests, ${s.variables.length} variables — ` +
         Object.entries(counts).map(([k, v]) => `${v} ${k}`).join(", ") + (s.truncated ? " (newest shown)" : "") }));
+      if (s.flows && s.flows.length) sec.append(renderFlows(s.session_id, s.flows));
       sec.append(window.ParrotDag.draw(s, names));
-      const details = h("details", {}, h("summary", { text: "DAG as text" }), h("pre", { text: s.text }));
-      sec.append(details);
+      sec.append(details(`${s.session_id}/text`, "DAG as text", h("pre", { text: s.text })));
       return sec;
     }));
   }

@@ -9,6 +9,10 @@
 // Fill colour = state, outline = deduced objective (latency: solid purple, throughput: dashed teal), a
 // coloured tag = the engine it ran on, translucent boxes = task groups. Every node carries data-* attributes
 // (data-node, data-id, data-state, data-objective, data-group, data-engine, data-prefix) for tests and tools.
+// Flows: a node a flow made (snapshot "flow": its origin described) is drawn in its scope's band — one band per
+// loop iteration, branch case or map item (flow.scope), stacked under the nodes made by the client, each boxed
+// and titled ("f_1 · loop counting iteration 2", a case: taken / speculative / cancelled) — and a request gets a
+// badge line (flow id + "loop[2] › case1"). They carry data-flow, data-origin, data-scope and data-badge.
 (function () {
   "use strict";
   const NS = "http://www.w3.org/2000/svg";
@@ -19,7 +23,11 @@
     engines: ["#e8710a", "#1a73e8", "#d01884", "#188038", "#9334e6", "#b06000", "#007b83", "#c5221f"],
   };
   const SIZE = { request: [190, 48], variable: [140, 26], prefix: [150, 30] };
+  const FLOW_REQUEST = [190, 62];  // a request a flow made: one more line, its badge
   const COL_GAP = 70, ROW_GAP = 14, PAD = 16;
+  const BAND_TOP = 34, BAND_BOTTOM = 10, BAND_GAP = 12;  // a flow scope's box: room for its title above
+  const CASE_COLORS = { taken: "#188038", speculative: "#e37400", cancelled: "#c5221f", pending: "#80868b" };
+  const SCOPE_COLORS = ["#1a73e8", "#e8710a"];  // alternating loop iterations / map items
   let drawn = 0;  // makes each drawing's marker id unique in the page
 
   function el(tag, attrs, parent) {
@@ -37,6 +45,28 @@
     return COLORS.engines[(i < 0 ? engines.length : i) % COLORS.engines.length];
   }
 
+  function sizeOf(n) { return n.kind === "request" && n.data.flow ? FLOW_REQUEST : SIZE[n.kind]; }
+
+  // The band of a node: "" (made by the client) or its flow scope (a loop iteration, a case, a map item, the
+  // flow's top level). A prefix context goes with the first request forked from it.
+  function bandOf(n) { return n.data.flow ? n.data.flow.scope : ""; }
+
+  function innermost(flow) { return flow && flow.scopes.length ? flow.scopes[flow.scopes.length - 1] : null; }
+
+  function scopeColor(scope) {
+    if (!scope) return "#5f6368";
+    if (scope.kind === "case") return CASE_COLORS[scope.case_state] || CASE_COLORS.pending;
+    return SCOPE_COLORS[scope.index % 2];
+  }
+
+  function scopeTitle(flow) {
+    const inner = innermost(flow);
+    const name = flow.flow_name ? `${flow.flow_id} ${flow.flow_name}` : flow.flow_id;
+    if (!inner) return `${name} (top level)`;
+    const outer = flow.scopes.slice(0, -1).map((sc) => sc.label);
+    return `${name} · ${outer.length ? outer.join(" › ") + " › " : ""}${inner.title}`;
+  }
+
   function fmt(t0, t) { return t === null || t === undefined ? "—" : (t - t0).toFixed(2) + " s"; }
 
   // Build nodes and edges of one session.
@@ -51,7 +81,7 @@
       if (r.prefix_context) {
         const pid = "p:" + r.prefix_context;
         if (!nodes.has(pid)) nodes.set(pid, { kind: "prefix", data: { context_id: r.prefix_context,
-          tokens: r.num_shared_tokens, engine: r.engine }, order: order++ });
+          tokens: r.num_shared_tokens, engine: r.engine, flow: r.flow || null }, order: order++ });
         edges.push([pid, "r:" + r.request_id, "prefix"]);
       }
     }
@@ -98,20 +128,36 @@
       col.sort((a, b) => bary.get(a) - bary.get(b) || g.nodes.get(a).order - g.nodes.get(b).order);
       col.forEach((id, i) => pos.set(id, i));
     }
-    // coordinates: columns left to right, each column centred vertically
-    const heights = columns.map((col) => (col || []).reduce((h, id) => h + SIZE[g.nodes.get(id).kind][1] + ROW_GAP, -ROW_GAP));
-    const height = Math.max(60, ...heights) + 2 * PAD + 14;
-    const widths = columns.map((col) => Math.max(0, ...(col || []).map((id) => SIZE[g.nodes.get(id).kind][0])));
+    // coordinates: columns left to right; top to bottom one band per flow scope (the client's nodes first,
+    // then each scope in the order its first node was made), each column centred vertically in its band
+    const bandFirst = new Map();
+    for (const n of g.nodes.values()) {
+      const b = bandOf(n);
+      if (!bandFirst.has(b)) bandFirst.set(b, n.order);
+    }
+    const bands = [...bandFirst.keys()].sort((a, b) =>
+      (a === "" ? -1 : b === "" ? 1 : bandFirst.get(a) - bandFirst.get(b)));
+    const widths = columns.map((col) => Math.max(0, ...(col || []).map((id) => sizeOf(g.nodes.get(id))[0])));
+    const xs = [];
     let x = PAD;
-    columns.forEach((col, l) => {
-      let y = PAD + 14 + (height - 2 * PAD - 14 - heights[l]) / 2;
-      for (const id of col || []) {
-        const n = g.nodes.get(id), [w, h] = SIZE[n.kind];
-        Object.assign(n, { x: x + (widths[l] - w) / 2, y, w, h });
-        y += h + ROW_GAP;
-      }
-      x += widths[l] + COL_GAP;
-    });
+    columns.forEach((col, l) => { xs[l] = x; x += widths[l] + COL_GAP; });
+    let y0 = PAD + 14;
+    for (const band of bands) {
+      const cols = columns.map((col) => (col || []).filter((id) => bandOf(g.nodes.get(id)) === band));
+      const heights = cols.map((col) => col.reduce((h, id) => h + sizeOf(g.nodes.get(id))[1] + ROW_GAP, -ROW_GAP));
+      const bandH = Math.max(0, ...heights);
+      if (band !== "") y0 += BAND_TOP;
+      cols.forEach((col, l) => {
+        let y = y0 + (bandH - heights[l]) / 2;
+        for (const id of col) {
+          const n = g.nodes.get(id), [w, h] = sizeOf(n);
+          Object.assign(n, { x: xs[l] + (widths[l] - w) / 2, y, w, h });
+          y += h + ROW_GAP;
+        }
+      });
+      y0 += bandH + (band !== "" ? BAND_BOTTOM + BAND_GAP : ROW_GAP);
+    }
+    const height = Math.max(60 + 2 * PAD + 14, y0 + PAD);
     return { width: Math.max(200, x - COL_GAP + PAD), height };
   }
 
@@ -126,15 +172,19 @@
 
   function drawRequest(svg, n, engines) {
     const r = n.data, obj = objectiveOf(r), group = r.sched && r.sched.task_group;
+    const flow = r.flow || null;
     const g = el("g", { "data-node": "request", "data-id": r.request_id, "data-state": r.status,
       "data-objective": obj, "data-group": group || "", "data-engine": r.engine || "",
-      "data-prefix": r.prefix_context || "", transform: `translate(${n.x},${n.y})` }, svg);
+      "data-prefix": r.prefix_context || "", "data-flow": flow ? flow.flow_id : null,
+      "data-origin": flow ? flow.origin : null, "data-scope": flow ? flow.scope : null,
+      "data-badge": flow ? flow.badge : null, transform: `translate(${n.x},${n.y})` }, svg);
     const ts = r.timestamps || {};
     el("title", {}, g).textContent = [`${r.request_id} ${r.label}`, `state: ${r.status}`,
       `objective: ${obj}${group ? ", task group " + group : ""}`, `engine: ${r.engine || "—"}`,
       r.prefix_context ? `prefix: ${r.prefix_context} (${r.num_shared_tokens} tokens shared)` : "prefix: —",
       `dispatched +${fmt(ts.submitted, ts.dispatched)}, first token +${fmt(ts.submitted, ts.first_token)}, ` +
-      `finished +${fmt(ts.submitted, ts.finished)}`, r.error ? `error: ${r.error.cause}: ${r.error.message}` : ""]
+      `finished +${fmt(ts.submitted, ts.finished)}`, flow ? `flow: ${scopeTitle(flow)}\norigin: ${flow.origin}` : "",
+      r.error ? `error: ${r.error.cause}: ${r.error.message}` : ""]
       .filter(Boolean).join("\n");
     el("rect", { class: "body", width: n.w, height: n.h, rx: 6, fill: COLORS.request[r.status] || "#eee",
       stroke: COLORS.objective[obj], "stroke-width": obj === "none" ? 1 : 2.5,
@@ -149,17 +199,34 @@
       el("text", { x: 18, y: 44, "font-size": 10, fill: "#202124", class: "mono" }, g).textContent =
         clip(r.engine + (r.prefix_context ? ` · forked ${r.num_shared_tokens} tok` : ""), 30);
     }
+    if (flow) drawBadge(g, flow, n.w);
+  }
+
+  // A request's flow badge: "f_1 · loop[2] › case1", coloured like its scope's box; a cancelled case crossed out.
+  function drawBadge(g, flow, w) {
+    const inner = innermost(flow), color = scopeColor(inner);
+    const text = clip(flow.flow_id + (flow.badge ? " · " + flow.badge : "") +
+      (inner && inner.kind === "case" && inner.case_state !== "taken" ? ` (${inner.case_state})` : ""), 32);
+    const b = el("g", { class: "flow-badge",
+      "data-case-state": inner && inner.case_state ? inner.case_state : null }, g);
+    el("rect", { x: 6, y: 47, width: Math.min(w - 12, 12 + text.length * 5.6), height: 12, rx: 6, fill: "#fff",
+      "fill-opacity": 0.92, stroke: color, "stroke-width": 1 }, b);
+    el("text", { x: 11, y: 56.5, "font-size": 9, "font-weight": 600, fill: color, class: "mono",
+      "text-decoration": inner && inner.case_state === "cancelled" ? "line-through" : null }, b).textContent = text;
   }
 
   function drawVariable(svg, n) {
-    const v = n.data;
+    const v = n.data, flow = v.flow || null;
     const g = el("g", { "data-node": "variable", "data-id": v.var_id, "data-state": v.status,
-      "data-objective": v.perf || "none", transform: `translate(${n.x},${n.y})` }, svg);
+      "data-objective": v.perf || "none", "data-flow": flow ? flow.flow_id : null,
+      "data-origin": flow ? flow.origin : null, "data-scope": flow ? flow.scope : null,
+      "data-badge": flow ? flow.badge : null, transform: `translate(${n.x},${n.y})` }, svg);
     el("title", {}, g).textContent = `%${v.number} ${v.name || v.var_id} (${v.var_id}): ${v.status}` +
-      (v.perf ? `, get: ${v.perf}` : "") + (v.preview ? `\n${v.preview}` : "") +
-      (v.error ? `\nerror: ${v.error.cause}` : "");
+      (v.perf ? `, get: ${v.perf}` : "") + (flow ? `\nflow: ${scopeTitle(flow)}\norigin: ${flow.origin}` : "") +
+      (v.preview ? `\n${v.preview}` : "") + (v.error ? `\nerror: ${v.error.cause}` : "");
     el("rect", { width: n.w, height: n.h, rx: n.h / 2, fill: COLORS.variable[v.status] || "#fff",
-      stroke: v.perf ? COLORS.objective[v.perf] : "#80868b", "stroke-width": v.perf ? 2 : 1 }, g);
+      stroke: v.perf ? COLORS.objective[v.perf] : flow ? scopeColor(innermost(flow)) : "#80868b",
+      "stroke-width": v.perf ? 2 : 1, "stroke-dasharray": flow && !v.perf ? "3 2" : null }, g);
     el("text", { x: n.w / 2, y: 17, "font-size": 11, "text-anchor": "middle", fill: "#202124" }, g).textContent =
       clip(`%${v.number} ${v.name || v.var_id}`, 20);
   }
@@ -192,6 +259,32 @@
     }
   }
 
+  // One box per flow scope (the band its nodes were laid out in), titled with where it is in its flow.
+  function drawFlowScopes(svg, g) {
+    const scopes = new Map();
+    for (const n of g.nodes.values()) {
+      const flow = n.data.flow;
+      if (!flow) continue;
+      if (!scopes.has(flow.scope)) scopes.set(flow.scope, { flow, members: [] });
+      scopes.get(flow.scope).members.push(n);
+    }
+    for (const [path, { flow, members }] of scopes) {
+      const inner = innermost(flow), color = scopeColor(inner);
+      const x0 = Math.min(...members.map((m) => m.x)) - 12, y0 = Math.min(...members.map((m) => m.y)) - BAND_TOP + 2;
+      const x1 = Math.max(...members.map((m) => m.x + m.w)) + 12;
+      const y1 = Math.max(...members.map((m) => m.y + m.h)) + BAND_BOTTOM - 2;
+      const box = el("g", { "data-node": "flow-scope", "data-id": path, "data-flow": flow.flow_id,
+        "data-scope": path, "data-badge": flow.badge, "data-kind": inner ? inner.kind : "flow",
+        "data-case-state": inner && inner.case_state ? inner.case_state : null, "data-size": members.length }, svg);
+      el("title", {}, box).textContent = `${scopeTitle(flow)}\n${path}: ${members.length} node(s)`;
+      el("rect", { x: x0, y: y0, width: x1 - x0, height: y1 - y0, rx: 8, fill: color, "fill-opacity": 0.05,
+        stroke: color, "stroke-opacity": 0.55, "stroke-dasharray": inner && inner.kind === "case" &&
+          inner.case_state !== "taken" ? "6 4" : null }, box);
+      el("text", { x: x0 + 8, y: y0 + 12, "font-size": 10.5, "font-weight": 600, fill: color }, box).textContent =
+        clip(scopeTitle(flow), Math.max(12, Math.floor((x1 - x0) / 6)));
+    }
+  }
+
   // Draw `session` into a fresh <svg>; `engines` is the list of engine names (a stable colour each).
   function draw(session, engines) {
     const g = graphOf(session);
@@ -203,6 +296,7 @@
     const m = el("marker", { id: marker, viewBox: "0 0 10 10", refX: 9, refY: 5, markerWidth: 7, markerHeight: 7,
       orient: "auto-start-reverse" }, defs);
     el("path", { d: "M0,0 L10,5 L0,10 z", fill: "#9aa0a6" }, m);
+    drawFlowScopes(svg, g);
     drawGroups(svg, g);
     for (const [a, b, kind] of g.edges) drawEdge(svg, g.nodes.get(a), g.nodes.get(b), kind, marker);
     for (const n of g.nodes.values()) {
@@ -213,5 +307,5 @@
     return svg;
   }
 
-  window.ParrotDag = { draw, COLORS, engineColor };
+  window.ParrotDag = { draw, COLORS, engineColor, scopeColor, CASE_COLORS };
 })();
