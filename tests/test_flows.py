@@ -279,9 +279,16 @@ def test_speculation_hit_then_miss_cancels_the_speculated_case_and_frees_its_kv(
         eng.gate.set()
         assert (await value(mgr, s, f.outputs["reply"])).startswith("<Tech help:")
         st = mgr.stats()["flows"]
-        assert st["speculations"] == {"hit": 1, "miss": 1}
+        assert st["speculations"] == {"hit": 1, "miss": 1} and st["wasted_tokens"] == 0  # held before its 1st token
         events = [e["event"] for e in mgr.flow_status(s, f.flow_id)["events"]]
         assert events[:3] == ["speculated", "branch", "speculation_miss"]
+        # a miss after the speculated case finished: its 16 tokens were wasted (billing is still 3 of 4 runs)
+        label = mgr.create_variable(s, "label")
+        f = mgr.submit_flow(s, _router(label.var_id))
+        await asyncio.sleep(0.05)
+        mgr.set_variable(s, label.var_id, "tech")
+        assert (await value(mgr, s, f.outputs["reply"])).startswith("<Tech help:")
+        assert mgr.stats()["flows"]["wasted_tokens"] == 16
     run(body, flow_speculation_min_runs=2)
 
 
@@ -527,3 +534,34 @@ def test_a_history_that_doubles_each_iteration_is_not_inlined_past_the_bound():
         # [h0, h0, ":", t], [h0 x4, ":", t], ...: 2^(k+1) + 2 pieces, until past the bound they stay whole
         assert pieces[:3] == [4, 6, 10] and pieces[-1] == 3 and max(pieces) <= 2048 + 2, pieces
     run(body, FakeEngine(max_model_len=1 << 16), max_session_bytes=2**26)
+
+
+class HintRecorder(FakeEngine):
+    """Records the OpHint of every generate."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.hints = []
+
+    async def generate_stream(self, sampling, context_id, parent_context_id=None, *, hint=None):
+        self.hints.append(hint)
+        async for chunk in super().generate_stream(sampling, context_id, parent_context_id, hint=hint):
+            yield chunk
+
+
+def test_a_loops_generates_tell_the_engine_what_follows():
+    """Each iteration's generate carries the tool its branch-free body calls on its output (known before the tool's
+    variable exists) and the iterations expected after it, each with the tool results' tokens (LAMPS' `later`)."""
+    async def body(mgr, eng):
+        s = mgr.create_session()
+        f = mgr.submit_flow(s, react_loop(mgr.create_variable(s, "q", "Why at night?").var_id,
+                                          mgr.create_variable(s, "doc", DOC).var_id, steps=4))
+        await value(mgr, s, f.outputs["h2"])
+        hints = eng.hints
+        assert [h.tool.name for h in hints] == ["search_text"] * 4
+        assert [len(h.later) for h in hints] == [3, 2, 1, 0]  # max_steps before the loop's first run
+        # the mean size of the loop's tool results ready when the generate was made: none for the first two
+        assert [h.predicted_return_tokens is None for h in hints] == [True, True, False, False]
+        assert all(h.predicted_return_tokens > 5 for h in hints[2:])
+        assert all(x.tool.name == "search_text" for h in hints for x in h.later)
+    run(body, HintRecorder())

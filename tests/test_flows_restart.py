@@ -10,11 +10,11 @@ import subprocess
 import sys
 
 import httpx
-
 from engine_procs import TINY_ENGINE, wait_until
-from parrot.engine.server.procs import free_port
 from test_flows import counter_loop
 from test_manager_restart import ROOT, _ready
+
+from parrot.engine.server.procs import free_port
 
 
 def _serve(port: int, state, log) -> subprocess.Popen:

@@ -420,10 +420,14 @@ class GraphExecutor:
         if self.stream_outputs and binding.sampling.constraint is None:
             # pieces reach the variable's readers as they arrive (value_stream); a constrained output is not
             # streamed: only the whole result says whether it completed its grammar
-            sink = OutputSink(session.graph.variables[binding.var_id].pieces, lead)
+            def counted(n: int) -> None:
+                req.generated_tokens += n
+
+            sink = OutputSink(session.graph.variables[binding.var_id].pieces, lead, on_tokens=counted)
             result = await generate_streamed(lease.client, binding.sampling, ctx, sink, self._clock, hint=hint)
         else:
             result = await lease.client.generate(binding.sampling, ctx, hint=hint)
+            req.generated_tokens += len(result.token_ids)
         self.tools.generated(features, len(result.token_ids))
         if req.times.first_token is None:
             # the engine reports its time to first token (queueing included); the call started at `started`

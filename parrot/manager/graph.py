@@ -101,6 +101,18 @@ class ToolDecl:
 
 
 @dataclass(frozen=True)
+class Lookahead:
+    """What a flow expects after a request it made (parrot.manager.flows.runner): the tool that will read its
+    output (when none is declared yet: a branch picks it once the output exists) and how many more generates like
+    it its loop is expected to run, each followed by that tool whose result appends ``return_tokens``. Sent to the
+    engine in the generate's OpHint (``tool``, ``later``): LAMPS' ranking and pause planning see ahead."""
+
+    tool: ToolDecl | None = None
+    later_steps: int = 0
+    return_tokens: int | None = None
+
+
+@dataclass(frozen=True)
 class GeneratedTokens:
     """The tokens a generate wrote for a variable, on model ``model``: ``text`` is the raw generated text (before
     moved spaces are dropped and transforms applied) and ``token_ids`` what the engine appended to the context
@@ -197,6 +209,8 @@ class RequestNode:
     num_cached_tokens: int = 0  # of the tokens it filled, those the engine served from cached KV (FillResult)
     error: StepFailed | None = None
     origin: str | None = None  # the flow step that made it (see Variable.origin)
+    generated_tokens: int = 0  # tokens its generates produced so far (in flight included; every run of it)
+    lookahead: Lookahead | None = None  # what its flow expects after it (not journaled: a hint)
 
     @property
     def label(self) -> str:

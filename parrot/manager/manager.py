@@ -17,12 +17,15 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from parrot.common.errors import EngineUnavailable, InvalidRequestError, StepFailed
 from parrot.common.perf import PerfCriteria, PinnedTargets
+from parrot.common.template import Segment
 from parrot.manager.dispatcher import Dispatcher, Policy
 from parrot.manager.engine_registry import EngineRegistry
 from parrot.manager.executor import GraphExecutor
 from parrot.manager.flows.profile import FlowStats
 from parrot.manager.flows.service import FlowService, FlowSettings, SubmittedFlow
 from parrot.manager.graph import (
+    Lookahead,
+    PlaceholderBinding,
     RequestNode,
     RequestStatus,
     ToolDecl,
@@ -299,9 +302,13 @@ class Manager:
             self.dispatcher.kick()
         return req
 
-    def _add_flow_request(self, session: SessionState, name, segments, bindings, models, origin: str) -> RequestNode:
-        """A flow's generate step: inserted and started like a submit (deduction, dispatcher), with its origin."""
+    def _add_flow_request(self, session: SessionState, name: str | None, segments: Sequence[Segment],
+                          bindings: Sequence[PlaceholderBinding], models: Sequence[str], origin: str,
+                          lookahead: Lookahead | None = None) -> RequestNode:
+        """A flow's generate step: inserted and started like a submit (deduction, dispatcher), with its origin and
+        what the flow expects after it (sent to the engine with its generate: DagTools.hint)."""
         req = session.graph.add_request(name, segments, bindings, tuple(models), origin=origin)
+        req.lookahead = lookahead
         run = session.flows.get(origin.split("/", 1)[0])
         relabeled = self.deduction.submitted(session.graph, req)
         if run is not None and run.criteria is not None:  # a GET of the flow's outputs asked for this

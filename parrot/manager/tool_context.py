@@ -35,11 +35,17 @@ from dataclasses import dataclass
 
 from parrot.common.errors import ParrotError, UnknownContext
 from parrot.common.template import TextSegment
-from parrot.protocol.interface import EngineClient, ModelInfo, OpHint, ToolHint
 from parrot.manager.engine_registry import EngineRegistry, EngineState
 from parrot.manager.failover import OrphanContexts
-from parrot.manager.graph import Graph, PlaceholderBinding, RequestNode, ToolDecl, Variable
+from parrot.manager.graph import (
+    Graph,
+    PlaceholderBinding,
+    RequestNode,
+    ToolDecl,
+    Variable,
+)
 from parrot.manager.tool_predict import Predictors, PromptFeatures, ToolDurations
+from parrot.protocol.interface import EngineClient, ModelInfo, OpHint, ToolHint
 
 logger = logging.getLogger(__name__)
 
@@ -194,10 +200,20 @@ class DagTools:
         ``prompt_tokens``) and the hint sent with it: the predicted length, and the tool that reads the output."""
         assert binding.sampling is not None and binding.var_id is not None
         reader = graph.tool_reading(binding.var_id)
-        decl = reader.tool if reader is not None else None
+        ahead = req.lookahead
+        decl = reader.tool if reader is not None else (ahead.tool if ahead is not None else None)
         features = PromptFeatures(model, prompt_tokens, binding.sampling.max_tokens, template_id(req, binding),
                                   (decl.name,) if decl is not None else ())
-        return features, OpHint(self.predictors.output_length.predict(features), self.tool_hint(decl))
+        predicted = self.predictors.output_length.predict(features)
+        tool = self.tool_hint(decl)
+        if ahead is None:
+            return features, OpHint(predicted, tool)
+        # a flow's expectations: the tool's result size, and its loop's next iterations (the same generate and
+        # tool again, each after the previous tool's result)
+        returned = ahead.return_tokens if tool is not None else None
+        step = OpHint(predicted, tool, predicted_return_tokens=returned)
+        return features, OpHint(predicted, tool, predicted_return_tokens=returned,
+                                later=(step,) * max(0, ahead.later_steps))
 
     def generated(self, features: PromptFeatures, output_tokens: int) -> None:
         self.predictors.output_length.observe(features, output_tokens)

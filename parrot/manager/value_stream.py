@@ -99,11 +99,16 @@ class OutputSink:
     """Feeds one generation's chunks into a variable's stream, leaving out the ``lead`` spaces the executor
     strips from the value (they are held back until the text shows whether it starts with them)."""
 
-    def __init__(self, stream: ValueStream, lead: int = 0) -> None:
+    def __init__(self, stream: ValueStream, lead: int = 0, *, on_tokens: Callable[[int], None] | None = None) -> None:
         self._stream = stream
         self._lead = lead
         self._head = ""  # text held back while fewer than ``lead`` chars arrived
+        self._on_tokens = on_tokens  # told each chunk's token count as it arrives (work done so far)
         stream.begin()
+
+    def tokens(self, n: int) -> None:
+        if self._on_tokens is not None and n:
+            self._on_tokens(n)
 
     def push(self, text: str) -> None:
         if self._lead:
@@ -141,6 +146,7 @@ async def generate_streamed(client: EngineClient, sampling: SamplingParams, cont
             if first is None:
                 first = clock() - started
             ids.extend(chunk.token_ids)
+            sink.tokens(len(chunk.token_ids))
             if chunk.text:
                 parts.append(chunk.text)
                 sink.push(chunk.text)

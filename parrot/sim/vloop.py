@@ -10,7 +10,10 @@ uses the loop's timers) runs unchanged. Invariants:
   block forever (no ready callback, no timer) that is a deadlock of the simulated program: it raises
   :class:`VirtualDeadlock` rather than hang;
 * ordering is asyncio's own (FIFO ready queue, timers by deadline), so a run is a pure function of the
-  program and its seeds.
+  program and its seeds;
+* work handed to an executor (``run_in_executor``, hence ``asyncio.to_thread``: e.g. a flow's server tool) runs
+  inline, at once, costing no virtual time (a thread would finish at an unknown wall time while the clock jumped
+  to the next timer; the simulated manager's other computation costs no virtual time either).
 """
 
 from __future__ import annotations
@@ -81,6 +84,16 @@ class VirtualEventLoop(asyncio.SelectorEventLoop):
     def _advance(self, dt: float) -> None:
         self._vnow += dt
         self.num_jumps += 1
+
+    def run_in_executor(self, executor, func, *args):
+        """``func(*args)`` now, in the loop's thread (see the module docstring); its result or exception is the
+        returned future's."""
+        fut = self.create_future()
+        try:
+            fut.set_result(func(*args))
+        except BaseException as e:  # noqa: BLE001 -- handed to the awaiting task, as an executor would
+            fut.set_exception(e)
+        return fut
 
     # thread-safe wake-ups never happen in a simulation; asyncio's self-pipe write is harmless though
 

@@ -1,7 +1,8 @@
 """What flows learned from past runs (speculation's evidence) and their counters.
 
 ``BranchProfile`` keeps, per branch (``<flow name>/<branch name>``), the case taken in each of its last
-``window`` runs; a case is *likely* when it was taken in at least ``min_prob`` of at least ``min_runs`` runs.
+``window`` runs; a case is *likely* when it was taken in at least ``min_prob`` of at least ``min_runs`` runs. It
+also keeps each loop's iteration counts (what a loop's generates tell the engine to expect: Lookahead).
 ``FlowStats`` counts flows, loop iterations and speculation outcomes (``GET /api/v1/stats`` ``flows`` and the
 Prometheus counters of parrot.manager.metrics). Both live in the manager's memory (a restart relearns them).
 """
@@ -17,6 +18,15 @@ class BranchProfile:
     def __init__(self, window: int = 100) -> None:
         self.window = window
         self._runs: dict[str, deque[int]] = {}
+        self._loops: dict[str, deque[int]] = {}  # loop key -> iterations of its recent runs
+
+    def record_loop(self, key: str, iterations: int) -> None:
+        self._loops.setdefault(key, deque(maxlen=self.window)).append(iterations)
+
+    def expected_iterations(self, key: str, default: int) -> int:
+        """The mean iteration count of the loop's recent runs (rounded); ``default`` before its first run."""
+        runs = self._loops.get(key)
+        return round(sum(runs) / len(runs)) if runs else default
 
     def record(self, key: str, case: int) -> None:
         self._runs.setdefault(key, deque(maxlen=self.window)).append(case)

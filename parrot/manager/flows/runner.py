@@ -38,13 +38,12 @@ from typing import TYPE_CHECKING
 from parrot.common.errors import ParrotError, StepFailed
 from parrot.common.perf import PerfCriteria
 from parrot.common.template import (
-    PlaceholderSegment,
     Segment,
-    TextSegment,
     parse_template,
     render_template,
 )
 from parrot.manager.flows.profile import BranchProfile, FlowStats
+from parrot.manager.flows.prompts import inline_texts, split_items, tool_reading
 from parrot.manager.flows.server_tools import SERVER_TOOLS, ToolError
 from parrot.manager.flows.spec import (
     Block,
@@ -59,6 +58,7 @@ from parrot.manager.flows.spec import (
 )
 from parrot.manager.flows.tool_calls import ToolCall, ToolCallQueue
 from parrot.manager.graph import (
+    Lookahead,
     PlaceholderBinding,
     RequestNode,
     ToolDecl,
@@ -95,17 +95,21 @@ class FlowEvent:
         return {"at": self.at, "path": self.path, "event": self.event, "detail": self.detail}
 
 
-MAX_INLINED_SEGMENTS = 2048  # pieces of one prompt after inlining text steps (beyond: not inlined)
-
-
-class _TooLong(Exception):
-    pass
-
-
+CHARS_PER_TOKEN = 4  # the estimate of a tool result's tokens from its characters (Lookahead.return_tokens)
 class _InputFailed(Exception):
     def __init__(self, var: Variable) -> None:
         super().__init__(var.var_id)
         self.var = var
+
+
+@dataclass(frozen=True)
+class _LoopAt:
+    """The loop iteration a block runs in (for the lookahead of its generates)."""
+
+    key: str  # the profile's key of the loop
+    max_steps: int
+    iteration: int
+    return_tokens: int | None  # mean tokens of the loop's tool results so far (estimate), None: none ready yet
 
 
 class Scope:
@@ -273,12 +277,13 @@ class FlowRun:
                 src.error.message, cause_code=src.error.cause_code))
 
     # ---- blocks and leaves ------------------------------------------------------------------------------------
-    def _block(self, block: Block, scope: Scope, prefix: str) -> None:
-        """Make (or find) every step of ``block`` now; each runs as its values become ready."""
+    def _block(self, block: Block, scope: Scope, prefix: str, loop: _LoopAt | None = None) -> None:
+        """Make (or find) every step of ``block`` now; each runs as its values become ready. ``loop``: the loop
+        iteration the block is (part of) the body of."""
         for i, step in enumerate(block.steps):
             origin = f"{prefix}/{i}.{_kind(step)}"
             if isinstance(step, GenerateStep):
-                self._generate(step, scope, origin)
+                self._generate(step, scope, origin, self._lookahead(block, i, step, loop))
             elif isinstance(step, TextStep):
                 var = self._var(origin, step.output)
                 scope.define(step.output, var.var_id)
@@ -298,76 +303,36 @@ class FlowRun:
                     continue
                 run = (self._branch if isinstance(step, BranchStep) else self._loop if isinstance(step, LoopStep)
                        else self._map)
-                self._spawn(origin, run(step, scope, origin, outs), outs.values())  # type: ignore[arg-type]
+                self._spawn(origin, run(step, scope, origin, outs, loop), outs.values())  # type: ignore[arg-type]
 
-    def _generate(self, step: GenerateStep, scope: Scope, origin: str) -> None:
+    def _lookahead(self, block: Block, i: int, step: GenerateStep, loop: _LoopAt | None) -> Lookahead | None:
+        """What the flow expects after generate ``step`` (``block.steps[i]``): the first later step of its block
+        that calls a tool on its output (directly, or in a branch case), and the iterations its loop is expected
+        to run after this one (the loop's recent runs; its max_steps before the first)."""
+        outs = set(step.outputs)
+        tool = next((t for later in block.steps[i + 1:] if (t := tool_reading(later, outs)) is not None), None)
+        later = 0 if loop is None else max(0, self.env.profile.expected_iterations(loop.key, loop.max_steps)
+                                           - loop.iteration - 1)
+        if tool is None and later == 0:
+            return None
+        decl = None if tool is None else ToolDecl(tool.name, (), tool.expected_duration_s)
+        return Lookahead(decl, later, None if loop is None else loop.return_tokens)
+
+    def _generate(self, step: GenerateStep, scope: Scope, origin: str, lookahead: Lookahead | None = None) -> None:
         graph = self.session.graph
         rid = graph.by_origin.get(origin)
         if rid is None:
             segments, bindings = build_bindings(step.spec)
             bound = [PlaceholderBinding(b.name, b.is_output, None if b.is_output else scope.lookup(b.name),
                                         b.sampling, b.transforms) for b in bindings]
-            segments, bound = self._inline(segments, bound)
-            req = self.env.add_request(self.session, step.spec.name, segments, bound, step.spec.models, origin)
+            segments, bound = inline_texts(segments, bound, self._texts)
+            req = self.env.add_request(self.session, step.spec.name, segments, bound, step.spec.models, origin,
+                                       lookahead)
         else:
             req = graph.requests[rid]
         for b in req.bindings.values():
             if b.is_output:
                 scope.define(b.name, b.var_id)
-
-    def _inline(self, segments: list[Segment], bindings: list[PlaceholderBinding]
-                ) -> tuple[list[Segment], list[PlaceholderBinding]]:
-        """Replace each input that is a text step's value by that step's template (recursively), its placeholders
-        bound to the text step's own inputs. The prompt renders to the same text, but its pieces are those of the
-        steps it was built from: a loop's prompt ``{{input:history}}`` becomes the previous iteration's prompt
-        pieces + its output + the new pieces, so its prefix hashes extend the previous request's. That is what
-        places an iteration on the engine holding its predecessor's (paused) context, lets it reuse that KV, and
-        fills a generated output as the very token ids it was generated as (parrot.manager.executor)."""
-        by_name = {b.name: b for b in bindings}
-        if not any(not b.is_output and b.var_id in self._texts and not b.transforms for b in bindings):
-            return segments, bindings
-        out_segs: list[Segment] = []
-        out_binds: dict[str, PlaceholderBinding] = {b.name: b for b in bindings if b.is_output}
-        names: set[str] = {b.name for b in bindings}
-
-        def fresh(base: str) -> str:
-            n, name = 1, base
-            while name in names:
-                n, name = n + 1, f"{base}_{n}"
-            names.add(name)
-            return name
-
-        def emit(seg: Segment, var_for: dict[str, str], depth: int, transforms=()) -> None:
-            if len(out_segs) > MAX_INLINED_SEGMENTS:  # e.g. a history that doubles each iteration
-                raise _TooLong
-            if isinstance(seg, TextSegment) or seg.is_output:
-                out_segs.append(seg)
-                return
-            vid = var_for[seg.name]
-            if vid in self._texts and not transforms and depth < 64:
-                sub_segs, sub_ids = self._texts[vid]
-                for sub in sub_segs:
-                    emit(sub, sub_ids, depth + 1)
-                return
-            name = seg.name if depth == 0 else fresh(seg.name)
-            out_binds[name] = PlaceholderBinding(name, False, vid, None, tuple(transforms))
-            out_segs.append(PlaceholderSegment(name, False))
-
-        top = {b.name: b.var_id for b in bindings if not b.is_output and b.var_id is not None}
-        try:
-            for seg in segments:
-                transforms = () if isinstance(seg, TextSegment) or seg.is_output else by_name[seg.name].transforms
-                emit(seg, top, 0, transforms)
-        except _TooLong:
-            return segments, bindings  # the text values as whole pieces: correct, only less sharing
-        merged: list[Segment] = []
-        for seg in out_segs:  # adjacent constant texts are one piece, as a hand-written template would have
-            if isinstance(seg, TextSegment) and merged and isinstance(merged[-1], TextSegment):
-                merged[-1] = TextSegment(merged[-1].text + seg.text)
-            elif not (isinstance(seg, TextSegment) and not seg.text):
-                merged.append(seg)
-        order = [s.name for s in merged if isinstance(s, PlaceholderSegment)]
-        return merged, [out_binds[n] for n in order]
 
     async def _text(self, step: TextStep, ids: dict[str, str], out: str, origin: str) -> None:
         try:
@@ -424,7 +389,8 @@ class FlowRun:
             self._fail([out], f"flow step {origin}: tool {step.name!r} failed: {message}", "tool_failed")
 
     # ---- control flow -----------------------------------------------------------------------------------------
-    async def _branch(self, step: BranchStep, scope: Scope, origin: str, outs: dict[str, str]) -> None:
+    async def _branch(self, step: BranchStep, scope: Scope, origin: str, outs: dict[str, str],
+                      loop: _LoopAt | None = None) -> None:
         names = list(dict.fromkeys(n for c in step.cases for n in c.when.names()))
         ids = {n: scope.lookup(n) for n in names}
         graph = self.session.graph
@@ -436,7 +402,7 @@ class FlowRun:
                 block = step.cases[likely].block if likely < len(step.cases) else step.default
                 if block is not None:
                     spec_scope = Scope(scope)
-                    self._block(block, spec_scope, f"{origin}/case{likely}")
+                    self._block(block, spec_scope, f"{origin}/case{likely}", loop)
                     speculated = (likely, spec_scope)
                     self._event(origin, "speculated", f"case {likely}")
         try:
@@ -467,12 +433,12 @@ class FlowRun:
                                           "the branch has no default", "branch_no_match")
                 return
             case_scope = Scope(scope)
-            self._block(block, case_scope, f"{origin}/case{taken}")
+            self._block(block, case_scope, f"{origin}/case{taken}", loop)
         await asyncio.gather(*(self._alias(case_scope.lookup(n), vid) for n, vid in outs.items()))
 
     async def _drop(self, prefix: str, why: str) -> int:
         """Cancel every node made under ``prefix`` (a case not taken); returns the tokens its requests had
-        generated (wasted)."""
+        generated (wasted: finished ones' and what in-flight ones had streamed when cancelled)."""
         for origin, task in list(self._tasks.items()):
             if origin.startswith(prefix):
                 task.cancel()
@@ -485,21 +451,24 @@ class FlowRun:
                 continue
             if node in graph.requests:
                 req = graph.requests[node]
-                for vid in req.outputs:
-                    gen = graph.variables[vid].generated
-                    wasted += len(gen.token_ids) if gen is not None else 0
                 await self.env.executor.cancel_request(self.session, req, err)
+                wasted += req.generated_tokens  # after the cancel: nothing more is generated
             elif not graph.variables[node].done:
                 self.env.calls.withdraw(node)
                 self.env.executor.fail_free_variable(self.session, node, err)
         return wasted
 
-    async def _loop(self, step: LoopStep, scope: Scope, origin: str, outs: dict[str, str]) -> None:
+    async def _loop(self, step: LoopStep, scope: Scope, origin: str, outs: dict[str, str],
+                    loop: _LoopAt | None = None) -> None:
         carried = {k: scope.lookup(src) for k, src in step.carry.items()}
         it_scope = Scope(scope, carried)
+        key = f"{self.spec.name}/{step.name}"
+        returned: int | None = None
+        iterations = 0
         for it in range(step.max_steps):
             it_scope = Scope(scope, carried)
-            self._block(step.block, it_scope, f"{origin}[{it}]")
+            iterations = it + 1
+            self._block(step.block, it_scope, f"{origin}[{it}]", _LoopAt(key, step.max_steps, it, returned))
             ids = {n: it_scope.lookup(n) for n in step.until.names()}
             try:
                 values = await self._values(ids.values())
@@ -513,22 +482,33 @@ class FlowRun:
                 self._event(origin, "loop_done", f"{it + 1} iteration(s)")
                 break
             carried = {k: it_scope.lookup(src) for k, src in step.next.items()}
+            returned = self._tool_tokens(f"{origin}[")
         else:
             self._event(origin, "loop_max_steps", f"{step.max_steps} iteration(s), on_max {step.on_max}")
-            if step.on_max == "error":
-                self._fail(outs.values(), f"flow loop {origin} reached max_steps={step.max_steps} without its "
-                                          "until condition", "loop_max_steps")
-                return
+        self.env.profile.record_loop(key, iterations)
+        if iterations == step.max_steps and not done and step.on_max == "error":
+            self._fail(outs.values(), f"flow loop {origin} reached max_steps={step.max_steps} without its "
+                                      "until condition", "loop_max_steps")
+            return
         await asyncio.gather(*(self._alias(it_scope.lookup(n), vid) for n, vid in outs.items()))
 
-    async def _map(self, step: MapStep, scope: Scope, origin: str, outs: dict[str, str]) -> None:
+    def _tool_tokens(self, prefix: str) -> int | None:
+        """The mean tokens (estimated: CHARS_PER_TOKEN characters each) of the tool results made under ``prefix``
+        (a loop's iterations) that are ready; None: none is yet."""
+        graph = self.session.graph
+        sizes = [len(var.value) for o, v in graph.by_origin.items() if o.startswith(prefix)
+                 and (var := graph.variables.get(v)) is not None and var.tool is not None and var.value is not None]
+        return -(-sum(sizes) // (CHARS_PER_TOKEN * len(sizes))) if sizes else None
+
+    async def _map(self, step: MapStep, scope: Scope, origin: str, outs: dict[str, str],
+                   loop: _LoopAt | None = None) -> None:
         out = outs[step.into]
         try:
             over = (await self._values([scope.lookup(step.over)]))
         except _InputFailed as e:
             self._failed_input([out], origin, e)
             return
-        items = _split(next(iter(over.values())), step.split)
+        items = split_items(next(iter(over.values())), step.split)
         if items is None or len(items) > step.max_items:
             what = "is not a JSON array of strings" if items is None else f"has {len(items)} items"
             self._fail([out], f"flow map {origin}: {step.over!r} {what} (max_items {step.max_items})",
@@ -541,7 +521,7 @@ class FlowRun:
             if not item_var.done:
                 self.env.executor.materialize_free(self.session, item_var.var_id, item)
             item_scope = Scope(scope, {step.item: item_var.var_id})
-            self._block(step.block, item_scope, f"{origin}[{k}]")
+            self._block(step.block, item_scope, f"{origin}[{k}]", loop)
             results.append(item_scope.lookup(step.output))
         try:
             values = await self._values(results)
@@ -558,15 +538,3 @@ def _cause(e: ParrotError) -> str:
 def _kind(step: Step) -> str:
     return {GenerateStep: "generate", TextStep: "text", ToolStep: "tool", BranchStep: "branch", LoopStep: "loop",
             MapStep: "map"}[type(step)]
-
-
-def _split(text: str, how: str) -> list[str] | None:
-    if how == "lines":
-        return [line.strip() for line in text.splitlines() if line.strip()]
-    try:
-        items = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(items, list):
-        return None
-    return [i if isinstance(i, str) else json.dumps(i, ensure_ascii=False) for i in items]
