@@ -4,14 +4,13 @@ P.connect (and the official openai client), and P.local in-process. Greedy, shor
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 
 import parrot as P
 from parrot.common.errors import StepFailed
+from servers import parrot_serve_default_model
 
 pytestmark = pytest.mark.model
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,24 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def server():
-    from parrot.common.errors import ModelNotFound
-    from parrot.engine.files.model_files import default_model_path
-    from parrot.engine.server.procs import free_port, wait_healthy
-
-    try:
-        default_model_path()
-    except ModelNotFound as e:
-        pytest.skip(str(e))
-    port = free_port()
-    env = dict(os.environ, PARROT_ENGINE_KV_CACHE_TOKENS="16384", PARROT_LOG_LEVEL="WARNING")
-    proc = subprocess.Popen([sys.executable, "-m", "parrot.cli", "serve", "--port", str(port)], env=env, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, 240, "parrot serve")
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    yield from parrot_serve_default_model()
 
 
 @P.semantic_function(max_tokens=24)

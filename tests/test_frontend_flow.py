@@ -17,6 +17,7 @@ import parrot as P
 from parrot.common.errors import InvalidRequestError, StepFailed, TemplateError
 from parrot.frontend import flow as F
 from parrot.frontend import tool_worker as W
+from servers import parrot_serve_default_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -267,26 +268,7 @@ def test_public_names_exported():
 # ---- end to end on the default model ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server():
-    from parrot.common.errors import ModelNotFound
-    from parrot.engine.files.model_files import default_model_path
-    from parrot.engine.server.procs import free_port, wait_healthy
-
-    if "flows" not in open(os.path.join(ROOT, "parrot", "api", "parrot_routes.py"), encoding="utf-8").read():
-        pytest.skip("the server side of flows is not there yet")
-    try:
-        default_model_path()
-    except ModelNotFound as e:
-        pytest.skip(str(e))
-    port = free_port()
-    env = dict(os.environ, PARROT_ENGINE_KV_CACHE_TOKENS="16384", PARROT_LOG_LEVEL="WARNING")
-    proc = subprocess.Popen([sys.executable, "-m", "parrot.cli", "serve", "--port", str(port)], env=env, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, 240, "parrot serve")
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    yield from parrot_serve_default_model()
 
 
 @pytest.mark.model

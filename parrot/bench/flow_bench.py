@@ -346,10 +346,10 @@ def run_all(bc: BenchConfig) -> dict:
 
 
 def conditions(data: dict, bc: BenchConfig, load: str) -> dict:
-    from parrot.bench.machine import describe_cpu, describe_machine
+    from parrot.bench.machine import cpu_family_model, describe_cpu, describe_machine
 
-    return {**describe_machine(), **describe_cpu(), "cpu (lscpu)": _lscpu_model(),
-            "cpu family / model (/proc/cpuinfo)": _cpu_family_model(), "model": data.get("model"),
+    return {**describe_machine(), **describe_cpu(),
+            "cpu family / model (/proc/cpuinfo)": cpu_family_model(), "model": data.get("model"),
             "server": "parrot serve " + " ".join(serve_flags(bc))
                       + " (router: + --flow-speculation | --no-flow-speculation)",
             "command": "python -m parrot.bench.flow_bench " + " ".join(sys.argv[1:]),
@@ -363,25 +363,6 @@ def conditions(data: dict, bc: BenchConfig, load: str) -> dict:
             "load before the run (uptime)": load,
             "load average at the end (1 / 5 / 15 min)": " / ".join(data.get("loadavg_after") or []),
             "total s": round(data["total_s"], 1)}
-
-
-def _cpu_family_model() -> str:
-    """``family F model M`` from /proc/cpuinfo (the EPYC generation when lscpu names only "AMD EPYC")."""
-    try:
-        text = open("/proc/cpuinfo", encoding="utf-8").read()
-    except OSError:
-        return "unknown"
-    fam, mod = re.search(r"cpu family\s*:\s*(\d+)", text), re.search(r"^model\s*:\s*(\d+)", text, re.MULTILINE)
-    return f"family {fam.group(1)} model {mod.group(1)}" if fam and mod else "unknown"
-
-
-def _lscpu_model() -> str:
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        m = re.search(r"Model name:\s*(.+)", text)
-        return m.group(1).strip() if m else "unknown"
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _f(x) -> str:
@@ -433,8 +414,10 @@ def render_md(runs: dict) -> str:
 
 
 def result_key(data: dict) -> str:
+    from parrot.bench.machine import cpu_model
+
     path = (data.get("numerics") or {}).get("path") or "cpu"
-    words = re.sub(r"[^a-z0-9]+", "-", _lscpu_model().lower()).strip("-").split("-")
+    words = re.sub(r"[^a-z0-9]+", "-", cpu_model().lower()).strip("-").split("-")
     words = [w for w in words if w not in ("amd", "intel", "r", "tm", "cpu", "processor")]
     return f"{path}-{'-'.join(words[:2]) or 'unknown'}"
 

@@ -13,6 +13,7 @@ import datetime
 import importlib.metadata
 import os
 import platform
+import re
 import time
 from dataclasses import asdict, dataclass
 
@@ -121,6 +122,17 @@ def cpu_model() -> str:
     from parrot.engine.runtime.cpu import probe_cpu
 
     return probe_cpu().model
+
+
+def cpu_family_model() -> str:
+    """``family F model M`` from /proc/cpuinfo (names the generation when the model name is only "AMD EPYC")."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return "unknown"
+    fam, mod = re.search(r"cpu family\s*:\s*(\d+)", text), re.search(r"^model\s*:\s*(\d+)", text, re.MULTILINE)
+    return f"family {fam.group(1)} model {mod.group(1)}" if fam and mod else "unknown"
 
 
 def describe_cpu() -> dict[str, str]:
