@@ -175,3 +175,22 @@ def test_the_session_store_indexes_sessions_by_owner_through_create_pop_and_expi
     assert store.owned("b") == [] and store.owned("nobody") == []
     for owner in ("a", "b"):
         assert store.owned(owner) == [s for s in store.all() if s.owner == owner]
+
+
+def test_a_flows_generates_are_held_to_max_output_tokens():
+    """A flow cannot bypass the tenant's max_output_tokens: an explicit max_tokens above it is a 400 naming the
+    generate's output, and outputs without one (nested in a loop's branch) get the limit as their default."""
+    with client(max_output_tokens=3) as c:
+        base, h = new_session(c, "")
+        q = c.post(f"{base}/variables", json={"value": "hi"}, headers=h).json()["var_id"]
+        gen = {"generate": {"prompt": "Say {{input:q}}:{{output:a}}", "sampling": {"a": {"max_tokens": 9}}}}
+        r = c.post(f"{base}/flows", json={"inputs": {"q": q}, "steps": [gen], "outputs": ["a"]}, headers=h)
+        assert r.status_code == 400 and "max_output_tokens" in r.json()["error"]["message"], r.text
+        nested = {"inputs": {"q": q}, "steps": [{"loop": {"max_steps": 1, "on_max": "last", "steps": [
+            {"branch": {"cases": [{"when": {"kind": "equals", "var": "q", "value": "hi"}, "steps": [
+                {"generate": {"prompt": "Say {{input:q}}:{{output:a}}"}}]}], "outputs": ["a"]}}],
+            "until": {"kind": "contains", "var": "a", "value": "x"}, "outputs": ["a"]}}], "outputs": ["a"]}
+        r = c.post(f"{base}/flows", json=nested, headers=h)
+        assert r.status_code == 200, r.text
+        a = c.get(f"{base}/variables/{r.json()['outputs']['a']}", params={"timeout": 10}, headers=h).json()
+        assert a["status"] == "ready" and len(a["value"]) == 3  # the fake engine's 1 token = 1 byte
