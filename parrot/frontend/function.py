@@ -31,14 +31,7 @@ from typing import Any
 from parrot.common.constraints import Constraint
 from parrot.common.errors import BadSamplingParams, TemplateError
 from parrot.common.sampling import SamplingParams
-from parrot.common.template import (
-    PlaceholderSegment,
-    Segment,
-    default_stop,
-    input_names,
-    parse_template,
-    placeholders,
-)
+from parrot.common.template import PlaceholderSegment, Segment, default_stop, input_names, parse_template, placeholders
 from parrot.common.transforms import Transform, validate_transforms
 from parrot.frontend.client import Session, resolve_session
 from parrot.frontend.variable import SemanticVariable
@@ -93,7 +86,7 @@ class Output(_OptionalSampling):
             return Constraint.grammar(self.grammar)
         return self.constraint
 
-    def merged_over(self, base: Output) -> Output:
+    def merged_over(self, base: "Output") -> "Output":
         """This output's set fields over ``base``'s (a constraint set here replaces any constraint of ``base``)."""
         changes = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
         if changes.keys() & _CONSTRAINT_FIELDS:
@@ -182,7 +175,7 @@ class SemanticFunction:
                                 param=(missing or extra)[0])
 
     def options(self, *, outputs: Mapping[str, Output | Mapping] | None = None,
-                models: Sequence[str] | None = None, **defaults: Any) -> SemanticFunction:
+                models: Sequence[str] | None = None, **defaults: Any) -> "SemanticFunction":
         """A copy with some settings changed (``f.options(max_tokens=8)(x)``); validated like a definition."""
         merged = dict(self._overrides)
         for k, v in (outputs or {}).items():
@@ -202,9 +195,7 @@ class SemanticFunction:
         ``str`` arguments become new ready variables; SemanticVariables are passed by id whether or not
         they are ready (the server runs the request once all inputs are materialized).
         """
-        from parrot.frontend.flow import (
-            active_tracer,  # here: parrot.frontend.flow imports this module
-        )
+        from parrot.frontend.flow import active_tracer  # here: parrot.frontend.flow imports this module
 
         tracer = active_tracer(itertools.chain(args, kwargs.values()))
         if tracer is not None:  # inside a flow being traced: a generate step (docs/flows.md), nothing submitted

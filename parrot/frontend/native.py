@@ -82,9 +82,7 @@ class NativeFunction:
 
     def __call__(self, *args: Any, session: Session | None = None, **kwargs: Any
                  ) -> SemanticVariable | tuple[SemanticVariable, ...]:
-        from parrot.frontend.flow import (
-            active_tracer,  # here: parrot.frontend.flow imports this module
-        )
+        from parrot.frontend.flow import active_tracer  # here: parrot.frontend.flow imports this module
 
         tracer = active_tracer(itertools.chain(args, kwargs.values()))
         if tracer is not None:  # inside a flow being traced: a client tool step (docs/flows.md)

@@ -30,12 +30,7 @@ import time
 from collections.abc import AsyncIterator, Generator, Iterator
 from typing import TYPE_CHECKING
 
-from parrot.common.errors import (
-    InvalidRequestError,
-    ParrotError,
-    StepFailed,
-    VariableAlreadySet,
-)
+from parrot.common.errors import InvalidRequestError, ParrotError, StepFailed, VariableAlreadySet
 from parrot.common.perf import LatencyTargets, PerfCriteria
 from parrot.frontend.client import MAX_POLL_S, resolve_session
 from parrot.frontend.conditions import ConditionMethods
@@ -111,7 +106,7 @@ class _Origin(enum.Enum):
 class SemanticVariable(ConditionMethods):
     """A string value that may not exist yet. See the module docstring for origins and errors."""
 
-    def __init__(self, value: str | None = None, name: str | None = None, *, session: Session | None = None):
+    def __init__(self, value: str | None = None, name: str | None = None, *, session: "Session | None" = None):
         if value is not None and not isinstance(value, str):
             raise TypeError(f"SemanticVariable value must be str, got {type(value).__name__}")
         self.name = name
@@ -128,15 +123,15 @@ class SemanticVariable(ConditionMethods):
 
     # ---- construction by calls ------------------------------------------------------------------------------
     @classmethod
-    def _semantic_output(cls, name: str, session: Session, var_id: str, inputs: tuple[SemanticVariable, ...],
-                         producer: str) -> SemanticVariable:
+    def _semantic_output(cls, name: str, session: "Session", var_id: str, inputs: tuple["SemanticVariable", ...],
+                         producer: str) -> "SemanticVariable":
         v = cls(name=name, session=session)
         v._var_id, v._origin, v._inputs, v._producer = var_id, _Origin.SEMANTIC, inputs, producer
         return v
 
     @classmethod
-    def _native_output(cls, name: str, session: Session, future: concurrent.futures.Future[str],
-                       inputs: tuple[SemanticVariable, ...], producer: str) -> SemanticVariable:
+    def _native_output(cls, name: str, session: "Session", future: "concurrent.futures.Future[str]",
+                       inputs: tuple["SemanticVariable", ...], producer: str) -> "SemanticVariable":
         v = cls(name=name, session=session)
         v._origin, v._inputs, v._native, v._producer = _Origin.NATIVE, inputs, future, producer
         future.add_done_callback(v._on_native_done)
@@ -149,10 +144,10 @@ class SemanticVariable(ConditionMethods):
         return self._bind(self._session)
 
     @property
-    def session(self) -> Session | None:
+    def session(self) -> "Session | None":
         return self._session
 
-    def _bind(self, session: Session | None) -> str:
+    def _bind(self, session: "Session | None") -> str:
         """Make sure the variable exists in ``session`` on the server and return its var_id."""
         with self._lock:
             session = resolve_session(session or self._session)
@@ -168,7 +163,7 @@ class SemanticVariable(ConditionMethods):
                 self._pushed = value is not None
             return self._var_id
 
-    def _bind_tool_output(self, session: Session, tool: dict) -> str:
+    def _bind_tool_output(self, session: "Session", tool: dict) -> str:
         """Create this native output on the server now, declared as the output of ``tool`` (a ToolDecl's wire
         form: name, inputs, expected_duration_s); its value is pushed when the native function returns."""
         with self._lock:
@@ -183,7 +178,7 @@ class SemanticVariable(ConditionMethods):
                     self._pushed = True
             return self._var_id
 
-    def _on_native_done(self, future: concurrent.futures.Future[str]) -> None:
+    def _on_native_done(self, future: "concurrent.futures.Future[str]") -> None:
         """Runs in the native worker: record the outcome; push the value if the server already knows us."""
         with self._lock:
             if future.cancelled() or future.exception() is not None:
@@ -401,7 +396,7 @@ class SemanticVariable(ConditionMethods):
             raise self._error
         return None
 
-    def _native_ancestors(self) -> list[concurrent.futures.Future[str]]:
+    def _native_ancestors(self) -> list["concurrent.futures.Future[str]"]:
         return [v._native for v in self._ancestors() if v._native is not None]
 
     def _check_native_ancestors(self) -> None:
@@ -423,7 +418,7 @@ class SemanticVariable(ConditionMethods):
             raise self._error
         return NATIVE_POLL_S if self._pending_native_ancestor() else MAX_POLL_S
 
-    def _ancestors(self) -> list[SemanticVariable]:
+    def _ancestors(self) -> list["SemanticVariable"]:
         seen: dict[int, SemanticVariable] = {}
         stack = list(self._inputs)
         while stack:
@@ -433,7 +428,7 @@ class SemanticVariable(ConditionMethods):
                 stack.extend(v._inputs)
         return list(seen.values())
 
-    def _failed_ancestor(self) -> SemanticVariable | None:
+    def _failed_ancestor(self) -> "SemanticVariable | None":
         return next((v for v in self._ancestors() if v._native is not None and v._error is not None), None)
 
     def _pending_native_ancestor(self) -> bool:

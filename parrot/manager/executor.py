@@ -44,30 +44,17 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from parrot.common.errors import (
-    ConstraintIncomplete,
-    EngineUnavailable,
-    LimitExceeded,
-    ParrotError,
-    StepFailed,
-    UnknownContext,
-    UnknownSession,
-)
+from parrot.common.errors import (ConstraintIncomplete, EngineUnavailable, LimitExceeded, ParrotError, StepFailed,
+                                  UnknownContext, UnknownSession)
 from parrot.common.log_context import set_log_context
 from parrot.common.perf import PerfCriteria
 from parrot.common.sampling import FinishReason
 from parrot.common.template import TextSegment
 from parrot.common.transforms import apply_transforms
+from parrot.protocol.interface import EngineClient, FillResult, ModelInfo, OpHint, ToolHint
 from parrot.manager.dispatcher import Dispatcher, DispatchRequest, Lease
 from parrot.manager.failover import Failover, Loss, OrphanContexts
-from parrot.manager.graph import (
-    GeneratedTokens,
-    PlaceholderBinding,
-    RequestNode,
-    RequestStatus,
-    Variable,
-    VarStatus,
-)
+from parrot.manager.graph import GeneratedTokens, PlaceholderBinding, RequestNode, RequestStatus, Variable, VarStatus
 from parrot.manager.metrics import CancelReason, ManagerMetrics
 from parrot.manager.prefix_sharing import Boundary, Fork, PrefixSharing, PromptHead
 from parrot.manager.prefix_store import ContextRef, PrefixHasher, PrefixStore
@@ -76,13 +63,6 @@ from parrot.manager.session import SessionState
 from parrot.manager.tool_context import DagTools, pause_context
 from parrot.manager.tool_predict import Predictors
 from parrot.manager.value_stream import OutputSink, generate_streamed
-from parrot.protocol.interface import (
-    EngineClient,
-    FillResult,
-    ModelInfo,
-    OpHint,
-    ToolHint,
-)
 
 logger = logging.getLogger(__name__)
 

@@ -38,10 +38,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from parrot.common.errors import ParrotError, StepFailed
-from parrot.manager.graph import RequestNode, RequestStatus
-from parrot.manager.policies.base import ClusterView, QueuedRequest
 from parrot.protocol.interface import GenerateResult
 from parrot.protocol.metrics import status_families
+from parrot.manager.graph import RequestNode, RequestStatus
+from parrot.manager.policies.base import ClusterView, QueuedRequest
 
 if TYPE_CHECKING:
     from parrot.manager.manager import Manager
@@ -134,7 +134,7 @@ class ManagerMetrics:
                 self.cancellations.labels(api, reason.value)  # every series exists from the start (rate() works)
         self._manager: Manager | None = None
 
-    def watch(self, manager: Manager) -> None:
+    def watch(self, manager: "Manager") -> None:
         """Read ``manager``'s state at each scrape (once, by the manager that owns these metrics)."""
         if self._manager is not None:
             raise ValueError("these metrics already watch a manager")
@@ -196,7 +196,7 @@ class ManagerMetrics:
                      f" code={code}" if code else "",
                      "-" if first_token is None else f"{first_token - ready:.3f} s", finished - ready)
 
-    def timer(self, api: str) -> RequestTimer:
+    def timer(self, api: str) -> "RequestTimer":
         """Time one OpenAI-side request from now (ready = planned) until :meth:`RequestTimer.done`."""
         return RequestTimer(self, api)
 
@@ -251,7 +251,7 @@ class RequestTimer:
 class _StateCollector(Collector):
     """Gauges and counters read from the manager's state at scrape time (see the module docstring)."""
 
-    def __init__(self, manager: Manager) -> None:
+    def __init__(self, manager: "Manager") -> None:
         self._m = manager
 
     def describe(self) -> Iterable[Metric]:
@@ -307,7 +307,7 @@ class _StateCollector(Collector):
         yield from _tool_families(m)
 
 
-def _tool_families(m: Manager) -> Iterable[Metric]:
+def _tool_families(m: "Manager") -> Iterable[Metric]:
     """LAMPS predictions (parrot.manager.tool_predict): output-length accuracy, tool durations, pauses asked."""
     p = m.predictors
     acc = p.output_length.accuracy()

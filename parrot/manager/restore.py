@@ -35,21 +35,9 @@ from parrot.common.perf import PerfCriteria
 from parrot.common.sampling import SamplingParams
 from parrot.common.template import PlaceholderSegment, Segment, TextSegment
 from parrot.common.transforms import validate_transform
-from parrot.manager.graph import (
-    PlaceholderBinding,
-    RequestNode,
-    RequestStatus,
-    RequestTimes,
-    Variable,
-    VarStatus,
-)
-from parrot.manager.journal import (
-    ErrorRecord,
-    JournalError,
-    RequestRecord,
-    SessionRecord,
-    VariableRecord,
-)
+from parrot.manager.graph import (PlaceholderBinding, RequestNode, RequestStatus, RequestTimes, Variable,
+                                  VarStatus)
+from parrot.manager.journal import ErrorRecord, JournalError, RequestRecord, SessionRecord, VariableRecord
 from parrot.manager.perf import PerfAnnotation
 from parrot.manager.session import SessionState
 
