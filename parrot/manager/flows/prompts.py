@@ -27,7 +27,7 @@ MAX_INLINED_SEGMENTS = 2048  # pieces of one prompt after inlining text steps (b
 
 
 class _TooLong(Exception):
-    pass
+    """Inlining went past MAX_INLINED_SEGMENTS: the prompt keeps its inputs whole."""
 
 
 def inline_texts(segments: list[Segment], bindings: list[PlaceholderBinding],
