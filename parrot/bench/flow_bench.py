@@ -52,6 +52,7 @@ import httpx
 
 from parrot.bench.load_bench import start_server
 from parrot.common.report import format_table, p99, ratio, save_json
+from parrot.backends.llama_server import stop_process
 from parrot.workloads.apps import DEFAULT_DOCUMENT, load_document
 from parrot.workloads.arrivals import poisson_arrivals
 from parrot.workloads.baseline_client import EmulatedLatency
@@ -306,16 +307,6 @@ def serve_flags(bc: BenchConfig) -> list[str]:
     return flags
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
 def run_all(bc: BenchConfig) -> dict:
     tmp = os.environ.get("TMPDIR", "/tmp")
     t_start = time.perf_counter()
@@ -328,7 +319,7 @@ def run_all(bc: BenchConfig) -> dict:
         data["agent"] = run_agents(url, bc, model["id"])
         data["agent"]["flows_stats"] = flow_counters(url)
     finally:
-        _stop(proc)
+        stop_process(proc)
     data["router"] = {}
     arms = [("speculation on", "--flow-speculation"), ("speculation off", "--no-flow-speculation")]
     for arm, flag in arms if bc.router_requests > 0 else ():  # --router-requests 0: the agent loop only
@@ -339,7 +330,7 @@ def run_all(bc: BenchConfig) -> dict:
             log.warning("router %s: mean %.3f s, p99 %.3f s, hits %d, misses %d, wasted %d", arm, r["mean_s"],
                         r["p99_s"], r["hit"], r["miss"], r["wasted_tokens"])
         finally:
-            _stop(proc)
+            stop_process(proc)
     data["total_s"] = time.perf_counter() - t_start
     data["loadavg_after"] = open("/proc/loadavg").read().split()[:3]
     return data
@@ -414,12 +405,9 @@ def render_md(runs: dict) -> str:
 
 
 def result_key(data: dict) -> str:
-    from parrot.bench.machine import cpu_model
+    from parrot.bench.machine import cpu_key
 
-    path = (data.get("numerics") or {}).get("path") or "cpu"
-    words = re.sub(r"[^a-z0-9]+", "-", cpu_model().lower()).strip("-").split("-")
-    words = [w for w in words if w not in ("amd", "intel", "r", "tm", "cpu", "processor")]
-    return f"{path}-{'-'.join(words[:2]) or 'unknown'}"
+    return cpu_key((data.get("numerics") or {}).get("path"))
 
 
 def main(argv: list[str] | None = None) -> dict:

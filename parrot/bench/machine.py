@@ -135,6 +135,13 @@ def cpu_family_model() -> str:
     return f"family {fam.group(1)} model {mod.group(1)}" if fam and mod else "unknown"
 
 
+def cpu_key(path: str | None) -> str:
+    """``<cpu path>-<two words of the CPU's name>`` (``avx512_bf16-epyc``): how benchmark results are keyed."""
+    words = re.sub(r"[^a-z0-9]+", "-", cpu_model().lower()).strip("-").split("-")
+    words = [w for w in words if w not in ("amd", "intel", "r", "tm", "cpu", "processor")]
+    return f"{path or 'cpu'}-{'-'.join(words[:2]) or 'unknown'}"
+
+
 def describe_cpu() -> dict[str, str]:
     """The CPU (model, family) and the numerics plan a default engine takes on it (parrot.engine.runtime.numerics): the
     conditions of a benchmark that runs the builtin engine with its defaults."""

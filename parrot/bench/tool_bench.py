@@ -353,10 +353,9 @@ def _lscpu_model() -> str:
 
 
 def result_name(data: dict) -> str:
-    path = (data.get("numerics") or {}).get("path") or "cpu"
-    model = re.sub(r"[^a-z0-9]+", "-", _lscpu_model().lower()).strip("-").split("-")
-    vendor_free = [w for w in model if w not in ("amd", "intel", "r", "tm", "cpu", "processor")]
-    return f"real-{path}-{'-'.join(vendor_free[:2]) or 'unknown'}"
+    from parrot.bench.machine import cpu_key
+
+    return f"real-{cpu_key((data.get('numerics') or {}).get('path'))}"
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -178,22 +178,12 @@ class FlowRun:
             await asyncio.wait(tasks, timeout=10.0)
 
     async def _run(self) -> None:
-        scope = Scope(None, dict(self.spec.inputs))
-        try:
+        async def steps() -> None:
+            scope = Scope(None, dict(self.spec.inputs))
             self._block(self.spec.block, scope, self.flow_id)
             await asyncio.gather(*(self._alias(scope.lookup(n), self.outputs[n]) for n in self.spec.outputs))
-        except asyncio.CancelledError:
-            raise
-        except ParrotError as e:  # a session limit reached while making the flow's first steps
-            for vid in self.outputs.values():
-                self.env.executor.fail_free_variable(self.session, vid, StepFailed(
-                    f"flow {self.flow_id} failed: {e.code}: {e.message}", cause_code=_cause(e)))
-        except Exception as e:  # a bug: fail the exports, never leave a get hanging
-            logger.exception("flow %s/%s crashed", self.session.session_id, self.flow_id)
-            err = StepFailed(f"flow {self.flow_id} failed: internal error {type(e).__name__}: {e}",
-                             cause_code="internal_error")
-            for vid in self.outputs.values():
-                self.env.executor.fail_free_variable(self.session, vid, err)
+
+        await self._guard(f"flow {self.flow_id}", steps(), self.outputs.values())
         graph = self.session.graph
         failed = next((graph.variables[v] for v in self.outputs.values()
                        if graph.variables[v].status is VarStatus.FAILED), None)
@@ -208,28 +198,24 @@ class FlowRun:
             self.events.append(ev)
         self.env.on_event(self, ev)
 
+    async def _guard(self, what: str, coro: Awaitable[None], outs: Iterable[str]) -> None:
+        """Await ``coro``; if it raises -- a session limit (nodes, bytes) reached while making nodes, or a bug --
+        ``outs`` fail with the reason instead of leaving their readers waiting."""
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except ParrotError as e:
+            logger.info("%s failed: %s", what, e.message)
+            self._fail(outs, f"{what} failed: {e.code}: {e.message}", _cause(e))
+        except Exception as e:
+            logger.exception("%s crashed", what)
+            self._fail(outs, f"{what} failed: internal error {type(e).__name__}: {e}", "internal_error")
+
     def _spawn(self, origin: str, coro: Awaitable[None], outs: Iterable[str]) -> None:
-        """Run a step's coroutine; if it crashes (a bug), its outputs fail instead of hanging their readers."""
-        outs = tuple(outs)
-
-        async def guarded() -> None:
-            try:
-                await coro
-            except asyncio.CancelledError:
-                raise
-            except ParrotError as e:  # a limit of the session (nodes, bytes) reached while making the step's nodes
-                logger.info("flow step %s failed: %s", origin, e.message)
-                err = StepFailed(f"flow step {origin} failed: {e.code}: {e.message}", cause_code=_cause(e))
-                for vid in outs:
-                    self.env.executor.fail_free_variable(self.session, vid, err)
-            except Exception as e:
-                logger.exception("flow step %s crashed", origin)
-                err = StepFailed(f"flow step {origin} failed: internal error {type(e).__name__}: {e}",
-                                 cause_code="internal_error")
-                for vid in outs:
-                    self.env.executor.fail_free_variable(self.session, vid, err)
-
-        task = asyncio.create_task(guarded(), name=f"{self.session.session_id}/{origin}")
+        """Run a step's coroutine as a task of this flow (cancelled with it), guarded (see _guard)."""
+        task = asyncio.create_task(self._guard(f"flow step {origin}", coro, tuple(outs)),
+                                   name=f"{self.session.session_id}/{origin}")
         self._tasks[origin] = task
         task.add_done_callback(lambda t: self._tasks.pop(origin, None) if self._tasks.get(origin) is t else None)
 
@@ -416,12 +402,11 @@ class FlowRun:
         taken = next((i for i, c in enumerate(step.cases) if c.when.evaluate(by_name)), len(step.cases))
         self.env.profile.record(key, taken)
         self._event(origin, "branch", f"case {taken}")
-        for other in range(len(step.cases) + 1):  # also nodes speculated before a restart
-            if other != taken:
-                wasted = await self._drop(f"{origin}/case{other}/", f"case {taken} was taken")
-                if speculated is not None and other == speculated[0]:
-                    self.env.stats.speculation(False, wasted)
-                    self._event(origin, "speculation_miss", f"case {other}, {wasted} tokens wasted")
+        # every case but the taken one: the speculated one, and any speculated before a restart
+        wasted = await self._drop(f"{origin}/case", f"case {taken} was taken", keep=f"{origin}/case{taken}/")
+        if speculated is not None and speculated[0] != taken:
+            self.env.stats.speculation(False, wasted)
+            self._event(origin, "speculation_miss", f"case {speculated[0]}, {wasted} tokens wasted")
         if speculated is not None and speculated[0] == taken:
             self.env.stats.speculation(True, 0)
             self._event(origin, "speculation_hit", f"case {taken}")
@@ -436,18 +421,21 @@ class FlowRun:
             self._block(block, case_scope, f"{origin}/case{taken}", loop)
         await asyncio.gather(*(self._alias(case_scope.lookup(n), vid) for n, vid in outs.items()))
 
-    async def _drop(self, prefix: str, why: str) -> int:
-        """Cancel every node made under ``prefix`` (a case not taken); returns the tokens its requests had
-        generated (wasted: finished ones' and what in-flight ones had streamed when cancelled)."""
+    async def _drop(self, prefix: str, why: str, *, keep: str | None = None) -> int:
+        """Cancel every node made under ``prefix`` but not under ``keep`` (the cases not taken); returns the tokens
+        their requests had generated (wasted: finished ones' and what in-flight ones had streamed when cancelled)."""
+        def dropped(origin: str) -> bool:
+            return origin.startswith(prefix) and not (keep is not None and origin.startswith(keep))
+
         for origin, task in list(self._tasks.items()):
-            if origin.startswith(prefix):
+            if dropped(origin):
                 task.cancel()
         graph = self.session.graph
         wasted = 0
         err = StepFailed(f"flow branch case not taken ({why}): its speculated steps were cancelled",
                          cause_code="speculation_cancelled")
         for origin, node in list(graph.by_origin.items()):
-            if not origin.startswith(prefix):
+            if not dropped(origin):
                 continue
             if node in graph.requests:
                 req = graph.requests[node]
