@@ -564,4 +564,7 @@ def test_a_loops_generates_tell_the_engine_what_follows():
         assert [h.predicted_return_tokens is None for h in hints] == [True, True, False, False]
         assert all(h.predicted_return_tokens > 5 for h in hints[2:])
         assert all(x.tool.name == "search_text" for h in hints for x in h.later)
+        # each carries the flow's age when it was sent (a request-level rank ages the loop by it), growing
+        ages = [h.elapsed_s for h in hints]
+        assert all(a is not None and a >= 0 for a in ages) and ages == sorted(ages) and ages[-1] > ages[0]
     run(body, HintRecorder())

@@ -3,6 +3,8 @@ backward-compatible wire form, and the simulator's zero-load bound."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from parrot.engine.kv_cache.block_pool import BlockPool
@@ -77,3 +79,84 @@ def test_the_zero_load_bound_is_below_every_simulated_latency(mix):
     for q, r in zip(reqs, run.requests):
         bound = zero_load_latency_s(q, cost)
         assert bound <= r.latency_s < bound + 0.5, (q.rid, bound, r.latency_s)
+
+
+# ---- aging: virtual finish time = request start + remaining score / aging_tokens ------------------------------------
+def _aged(arrivals_and_specs, **kw) -> tuple[Scheduler, list[Op]]:
+    from parrot.engine.scheduler.policies.lamps_request import LampsRequestPolicy
+
+    sch = Scheduler(BlockPool(1024, BS), 1, 4096, policy=LampsRequestPolicy("lamps-request", **kw))
+    ops = []
+    for seq, (arrival, n, hint) in enumerate(arrivals_and_specs):
+        ctx = Context(f"c{seq}", None, tokens=list(range(seq * 1000, seq * 1000 + n)))
+        op = Op(OpKind.FILL, ctx, arrival=arrival, hint=hint)
+        sch.add(op)
+        ops.append(op)
+    return sch, ops
+
+
+_MANY = tuple(OpHint(64, SEARCH, predicted_return_tokens=64) for _ in range(5)) + (OpHint(64),)
+_LONG = OpHint(16, SEARCH, predicted_return_tokens=64, later=_MANY)  # a request with six calls left
+_SHORT = OpHint(16)
+
+
+def test_a_long_request_is_passed_only_by_newcomers_within_its_score_over_k():
+    """The key is start + score / K: a short newcomer goes first only while it arrives less than
+    (S_long - S_short) / K seconds after the long request; later ones queue behind it. Under remaining-score
+    order alone (``lamps``' rule over the request, K -> infinity of score) every short newcomer goes first."""
+    sch, (long_op, probe) = _aged([(0.0, 600, _LONG), (0.0, 200, _SHORT)])
+    s_long, s_short = (sch.policy.score(o, sch.view) for o in (long_op, probe))
+    window = (s_long - s_short) / sch.policy.aging_tokens
+    assert window > 0
+    for arrival, long_first in ((0.9 * window, False), (1.1 * window, True)):
+        sch, (long_op, newcomer) = _aged([(0.0, 600, _LONG), (arrival, 200, _SHORT)])
+        assert sch.policy.order(sch.view)[0] is (long_op if long_first else newcomer), arrival
+        # pure remaining-score order: the newcomer, however late
+        assert sch.policy.score(newcomer, sch.view) < sch.policy.score(long_op, sch.view)
+
+
+def test_a_stream_of_short_newcomers_passes_an_old_long_request_finitely_often():
+    """A short newcomer every 10 s, one op admitted per iteration: the long request (window ~360 s) goes first after
+    about window / 10 newcomers, well before the starvation guard (100 iterations) would put it first; by remaining
+    score alone every newcomer passes it until then."""
+    sch, (long_op,) = _aged([(0.0, 600, _LONG)])
+    window = (sch.policy.score(long_op, sch.view) - 0.0) / sch.policy.aging_tokens
+    policy = sch.policy
+    for t in range(1, 100):
+        ctx = Context(f"n{t}", None, tokens=list(range(100_000 + t * 1000, 100_000 + t * 1000 + 200)))
+        op = Op(OpKind.FILL, ctx, arrival=10.0 * t, hint=_SHORT)
+        sch.add(op)
+        assert policy.score(op, sch.view) < policy.score(long_op, sch.view)
+        first = policy.order(sch.view)[0]
+        if first is long_op:
+            break
+        sch.remove(first)  # admitted and done
+        policy.after_admission([first], [o for o in sch.view.waiting])
+    else:
+        raise AssertionError("the long request was passed by 99 newcomers")
+    assert not policy.ranker.is_starving(long_op.seq_no)
+    assert window - 10 <= 10.0 * t <= window + 10
+
+
+def test_the_request_start_ages_a_resumed_segment_by_its_request_s_age():
+    """Two ops arriving together: without a stated age (each segment counts from its own arrival) the smaller score
+    goes first; when the long one's hint says its request has run for a long time (``OpHint.elapsed_s``: it
+    started at arrival - elapsed_s), it goes first."""
+    specs = [(10.0, 600, _LONG), (10.0, 200, _SHORT)]
+    sch, (long_op, short_op) = _aged(specs)
+    assert sch.policy.order(sch.view)[0] is short_op
+    old = dataclasses.replace(_LONG, elapsed_s=1e6)
+    sch, (long_op, short_op) = _aged([(10.0, 600, old), (10.0, 200, _SHORT)])
+    assert sch.policy.order(sch.view)[0] is long_op
+    assert OpHint.from_wire(old.to_wire()) == old  # on the wire only when set
+    assert "elapsed_s" not in _LONG.to_wire()
+    with pytest.raises(ValueError):
+        OpHint(elapsed_s=-1.0)
+
+
+def test_aging_tokens_must_be_positive():
+    from parrot.engine.scheduler.policies.lamps_request import LampsRequestPolicy
+
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError):
+            LampsRequestPolicy("lamps-request", aging_tokens=bad)

@@ -32,3 +32,21 @@ def test_the_2023_scheduler_reaches_every_simulated_engine():
 
     assert run_virtual(main()) == [False, False]
     assert ClusterConfig().chunked_prefill is True
+
+
+def test_the_joint_bound_gives_fewer_engines_no_speedup_and_prints():
+    measured = X.mixed_results(quick=True)
+    pts = B.fig19_joint_points(measured, quick=True)
+    chat4, map4 = pts["separate"]
+    rows = {k: (chat, mr) for k, chat, mr in pts["rows"]}
+    assert set(rows) == {0, 1, 2, 3}
+    # the apps on 3 engines (k = 1) are not faster than on all 4; nor on 2 or 1
+    assert rows[1][1] >= map4
+    assert rows[3][1] >= map4 and rows[2][1] >= map4
+    # the chats on fewer engines are not faster than on 4
+    assert min(pts["chat"][k] for k in (1, 2, 3)) >= chat4 > 0
+    assert rows[1][0] == pts["chat"][1] and map4 == pts["apps"][4]
+    text = B.fig19_joint(measured, quick=True, points=pts)
+    for piece in ("[joint bound, Fig. 19]", "0 (shared", "1 (apps on 3)", "2 (apps on 2)", "3 (apps on 1)",
+                  "measured parrot (shared 4)", "is closest to row k =", "90 % / 90 %"):
+        assert piece in text, piece

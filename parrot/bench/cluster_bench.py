@@ -56,6 +56,8 @@ from parrot.workloads.cluster_mix import QUICK, Workload, chunks
 log = logging.getLogger(__name__)
 
 POLICIES = ("parrot", "fifo-latency", "fifo-throughput")
+# also accepted by --policies: Parrot clients against another manager policy (compared with the parrot rows)
+PARROT_VARIANTS = ("parrot-split",)
 SCENARIOS = ("map_reduce", "chain_bg", "multi_chain", "mixed")
 STARTUP_TIMEOUT_S = 900.0
 APP_TIMEOUT_S = 3600.0
@@ -74,6 +76,8 @@ class Cluster:
                "--latency-cap-tokens", str(w.latency_cap), "--throughput-cap-tokens", str(w.throughput_cap)]
         if args.model:
             cmd += ["--model", args.model]
+        if args.share_slack is not None:
+            cmd += ["--share-slack", str(args.share_slack)]
         self._log = open(log_path, "ab")
         self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -151,7 +155,7 @@ def run_parrot_app(app: App, url: str, latency: EmulatedLatency, criteria: str) 
 
 
 async def run_app(app: App, policy: str, url: str, latency: EmulatedLatency, criteria: str = "latency") -> float:
-    if policy == "parrot":
+    if policy.startswith("parrot"):
         return await asyncio.to_thread(run_parrot_app, app, url, latency, criteria)
     async with BaselineClient(url, latency=latency) as client:
         return (await run_baseline(app, client)).e2e_s
@@ -357,10 +361,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small workload (minutes): proves the pipeline works")
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
-    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES + PARROT_VARIANTS)
     p.add_argument("--model", default=None, help="model file for the engines (default: SmolLM2-135M)")
     p.add_argument("--latency-cap", type=int, default=None, help="server latency cap tokens (default per workload)")
     p.add_argument("--throughput-cap", type=int, default=None)
+    p.add_argument("--share-slack", type=float, default=None, help="server --share-slack (policy parrot)")
     p.add_argument("--latency-ms", nargs=2, type=float, default=[200.0, 300.0], metavar=("LOW", "HIGH"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1,

@@ -83,6 +83,7 @@ class CompletionRun:
         self.timer = metrics.timer("chat" if plan.chat else "completions")
         self.pauses: dict[str, ToolHint] = {}  # context -> the tool call it waits for (paused at close, not freed)
         self.arrived = paused_chats.now()  # when it reached the service (a follow-up: its tool's end)
+        self.leased: dict[int, Lease] = {}  # job index -> the lease of its current attempt (its hints' target)
 
     def features(self, job: PromptJob, sampling: SamplingParams) -> PromptFeatures:
         """The output-length predictor's view of one choice: the prompt's size and head (a chat's system prompt,
@@ -93,13 +94,16 @@ class CompletionRun:
         return PromptFeatures(plan.model, len(job.token_ids), sampling.max_tokens,
                               f"{'chat' if plan.chat else 'completion'}:{head}", tools)
 
-    def hint(self, features: PromptFeatures) -> OpHint:
-        """The generate's predictions; a forced call (tool_choice naming a function) names its tool."""
+    def hint(self, job: PromptJob, features: PromptFeatures) -> OpHint:
+        """The generate's predictions; a forced call (tool_choice naming a function) names its tool; the per-token
+        target of ``job``'s lease (Lease.targeted)."""
         tools, predictors = self.plan.tools, self.predictors
         tool = None
         if tools is not None and tools.choice is ToolChoice.NAMED and tools.name is not None:
             tool = ToolHint(tools.name, predictors.tool_durations.predict(tools.name))
-        return OpHint(predictors.output_length.predict(features), tool, self.plan.options.priority)
+        hint = OpHint(predictors.output_length.predict(features), tool, self.plan.options.priority)
+        lease = self.leased.get(job.index)
+        return lease.targeted(hint) if lease is not None else hint
 
     def generated(self, ctx: str, features: PromptFeatures, tokens: int, text: str,
                   finish: FinishReason | None, *, single: bool) -> None:
@@ -151,13 +155,14 @@ class CompletionRun:
 
         async def attempt(lease: Lease, n: int) -> T:
             self.leases.append(lease)  # held until close: the contexts live on
+            self.leased[job.index] = lease
             self.recent.dispatched(span, lease.engine)
             client = lease.client
             base = f"{plan.key}-{job.index}" + (f"-r{n}" if n > 1 else "")
             self.contexts.append((lease.engine, client, base))
             # the prompt's fill carries the (first) choice's predictions: an engine ranking by memory over time
             # admits the request as a whole segment
-            first = self.hint(self.features(job, job.samplings[0])) if plan.generate and job.samplings else None
+            first = self.hint(job, self.features(job, job.samplings[0])) if plan.generate and job.samplings else None
             fill = await client.fill(job.token_ids, base, **fill_kwargs, **({"hint": first} if first else {}))
             self.fills[job.index] = fill
             if plan.chat and len(self.paused_chats):  # a follow-up to a tool call: its KV is taken now
@@ -215,7 +220,7 @@ class CompletionRun:
             called = time.monotonic()
             features = [self.features(job, s) for s in job.samplings]
             results: list[GenerateResult] = await gather_or_cancel(
-                [client.generate(s, ctx, parent, hint=self.hint(f))
+                [client.generate(s, ctx, parent, hint=self.hint(job, f))
                  for s, f, (ctx, parent) in zip(job.samplings, features, targets)])
             out = []
             for res, f, (ctx, _) in zip(results, features, targets):
@@ -254,7 +259,7 @@ class CompletionRun:
                 features = self.features(job, sampling)
                 tokens, parts, finish = 0, [], None
                 async with contextlib.aclosing(client.generate_stream(sampling, ctx, parent,
-                                                                      hint=self.hint(features))) as chunks:
+                                                                      hint=self.hint(job, features))) as chunks:
                     async for chunk in chunks:
                         sent += len(chunk.token_ids)
                         tokens += len(chunk.token_ids)

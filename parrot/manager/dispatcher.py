@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from parrot.common.errors import EngineError, ParrotError
 from parrot.common.step_cost import StepCost, StepStats
-from parrot.protocol.interface import EngineCapabilities, EngineClient, ModelInfo
+from parrot.protocol.interface import EngineCapabilities, EngineClient, ModelInfo, OpHint
 from parrot.manager.engine_registry import EngineEntry, EngineRegistry, EngineState
 from parrot.manager.perf_deduction import SchedInfo
 from parrot.manager.policies.base import (
@@ -66,7 +66,7 @@ class Lease:
     true (once; lost callbacks run synchronously then) if the engine is declared dead while the lease is held."""
 
     def __init__(self, dispatcher: "Dispatcher", entry: EngineEntry, request: DispatchRequest,
-                 enqueued_at: float) -> None:
+                 enqueued_at: float, tpot_s: float | None = None) -> None:
         self._dispatcher = dispatcher
         self._released = False
         self._lost = False
@@ -79,10 +79,17 @@ class Lease:
         self.client: EngineClient = entry.client
         assert entry.info is not None  # candidates always have model info
         self.info: ModelInfo = entry.info
+        self.tpot_s = tpot_s  # the per-token target the request's generates carry to the engine (Placement.tpot_s)
 
     @property
     def lost(self) -> bool:
         return self._lost
+
+    def targeted(self, hint: OpHint | None) -> OpHint | None:
+        """``hint`` carrying this lease's per-token target (when it has one and the hint has none of its own)."""
+        if self.tpot_s is None or hint is None or hint.tpot_s is not None:
+            return hint
+        return dataclasses.replace(hint, tpot_s=self.tpot_s)
 
     def add_lost_callback(self, fn: Callable[[], None]) -> None:
         """Call ``fn()`` when the lease is lost (right now if it already is)."""
@@ -274,7 +281,8 @@ class Dispatcher:
                 raise EngineError(f"policy {self.policy.name} placed {q.request.request_id} on {p.engine!r}, "
                                   f"not one of its candidates {q.candidates}")
             entry = self.registry.entry(p.engine)
-            lease = Lease(self, entry, t.request, t.enqueued_at)
+            lease = Lease(self, entry, t.request, t.enqueued_at,
+                          p.tpot_s if p.tpot_s is not None else q.info.targets.tpot_s)
             self._leases.setdefault(entry.name, []).append(lease)
             t.future.set_result(lease)
             if self._on_placed is not None:

@@ -280,7 +280,7 @@ class GraphExecutor:
         try:
             head, n_head, hasher = await self._tokenize_head(session, req, client, info)
             if self.sharing is not None:
-                fork = self.sharing.plan(session.session_id, key, lease.engine, client, head)
+                fork = self.sharing.plan(session.session_id, key, lease.engine, client, head, lease.tpot_s)
             self.prefix_store.remove_queued(key)  # after planning: queued peers are what makes a prefix shared
             if fork is not None and self.sharing is not None and not await self.sharing.wait(fork):
                 self.sharing.release(fork)  # its fill failed: run unshared
@@ -385,7 +385,7 @@ class GraphExecutor:
         binding = req.bindings[seg.name]
         if not binding.is_output or binding.sampling is None:
             return None
-        return self.tools.hint(session.graph, req, binding, lease.info.name, prompt_tokens)[1]
+        return lease.targeted(self.tools.hint(session.graph, req, binding, lease.info.name, prompt_tokens)[1])
 
     async def _generate(self, session: SessionState, req: RequestNode, binding: PlaceholderBinding, lease: Lease,
                         ctx: str, prompt_tokens: int, *, lead: int = 0) -> tuple[str, int]:
@@ -396,6 +396,7 @@ class GraphExecutor:
         the model generates them itself, and they are not part of the value."""
         assert binding.sampling is not None and binding.var_id is not None
         features, hint = self.tools.hint(session.graph, req, binding, lease.info.name, prompt_tokens)
+        hint = lease.targeted(hint)
         started = self._clock()
         if self.stream_outputs and binding.sampling.constraint is None:
             # pieces reach the variable's readers as they arrive (value_stream); a constrained output is not

@@ -104,12 +104,14 @@ class ToolDecl:
 class Lookahead:
     """What a flow expects after a request it made (parrot.manager.flows.runner): the tool that will read its
     output (when none is declared yet: a branch picks it once the output exists) and how many more generates like
-    it its loop is expected to run, each followed by that tool whose result appends ``return_tokens``. Sent to the
-    engine in the generate's OpHint (``tool``, ``later``): LAMPS' ranking and pause planning see ahead."""
+    it its loop is expected to run, each followed by that tool whose result appends ``return_tokens``; and when the
+    flow started (the manager's clock), its requests' age. Sent to the engine in the generate's OpHint (``tool``,
+    ``later``, ``elapsed_s``): LAMPS' ranking and pause planning see ahead, and a request-level rank ages them."""
 
     tool: ToolDecl | None = None
     later_steps: int = 0
     return_tokens: int | None = None
+    started_at: float | None = None
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,8 @@ class ManagerConfig(BaseModel):
     latency_cap_tokens: int = Field(2048, ge=1, description="running tokens per engine while latency work runs there")
     throughput_cap_tokens: int = Field(65536, ge=1, description="running tokens per engine for throughput work "
                                        "(also bounded by its KV capacity)")
+    share_slack: float = Field(0.10, gt=0, le=10, description="policy parrot: the share by which latency work's "
+                               "step may grow while throughput work rides in it (the engine keeps the step within it)")
     heartbeat_timeout_s: float = Field(10.0, gt=0, description="an engine silent this long is declared dead")
     max_attempts: int = Field(3, ge=1, description="runs of a request in all when its engine dies under it")
     state_dir: str | None = Field(None, description="journal sessions, their DAGs and values here (SQLite, WAL); "
@@ -101,7 +103,7 @@ class ManagerConfig(BaseModel):
 
     def capacity_config(self) -> CapacityConfig:
         return CapacityConfig(latency_cap_tokens=self.latency_cap_tokens,
-                              throughput_cap_tokens=self.throughput_cap_tokens)
+                              throughput_cap_tokens=self.throughput_cap_tokens, share_slack=self.share_slack)
 
     def flow_settings(self) -> FlowSettings:
         return FlowSettings(speculation=self.flow_speculation, speculation_min_prob=self.flow_speculation_min_prob,

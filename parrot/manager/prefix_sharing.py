@@ -44,7 +44,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 
 from parrot.common.errors import EngineUnavailable, ParrotError, UnknownContext
-from parrot.protocol.interface import EngineClient
+from parrot.protocol.interface import EngineClient, OpHint
 from parrot.manager.engine_registry import EngineRegistry
 from parrot.manager.prefix_store import PrefixContext, PrefixState, PrefixStore
 
@@ -139,9 +139,11 @@ class PrefixSharing:
 
     # ---- the request path ---------------------------------------------------------------------------------
     def plan(self, session_id: str, request_key: str, engine: str, client: EngineClient,
-             head: PromptHead) -> Fork | None:
+             head: PromptHead, tpot_s: float | None = None) -> Fork | None:
         """The prefix context ``request_key`` should fork from on ``engine`` (created now if likely shared),
-        with a child reference taken; None = run unshared."""
+        with a child reference taken; None = run unshared. ``tpot_s``: the request's per-token target, carried by
+        the fill of a prefix context made for it (latency work's prompt is latency work: the engine's step budget
+        does not hold it back)."""
         if not self.config.enabled:
             return None
         for b in reversed(head.boundaries):
@@ -153,7 +155,7 @@ class PrefixSharing:
                     return None  # its sharers run unshared until the record is collected
                 break
             if self.store.sharers(b.prefix_hash, engine, exclude=request_key) >= 1:
-                pc = self._create(engine, client, head, b)
+                pc = self._create(engine, client, head, b, tpot_s)
                 if pc is None:
                     return None
                 break
@@ -233,7 +235,8 @@ class PrefixSharing:
             return None
         return pc
 
-    def _create(self, engine: str, client: EngineClient, head: PromptHead, b: Boundary) -> PrefixContext | None:
+    def _create(self, engine: str, client: EngineClient, head: PromptHead, b: Boundary,
+                tpot_s: float | None) -> PrefixContext | None:
         if not self._make_room(engine):
             return None
         parent = None
@@ -251,7 +254,8 @@ class PrefixSharing:
             parent.last_used = now
         self.store.add_prefix_context(pc)
         self._ready[pc] = asyncio.get_running_loop().create_future()
-        self._spawn(self._fill(pc, client, list(head.tokens[:b.num_tokens])), self._fills)
+        hint = OpHint(tpot_s=tpot_s) if tpot_s is not None else None
+        self._spawn(self._fill(pc, client, list(head.tokens[:b.num_tokens]), hint), self._fills)
         logger.debug("prefix context %s on %s: %d tokens%s", pc.context_id, engine, pc.num_tokens,
                      f" (fork of {parent.context_id})" if parent else "")
         return pc
@@ -270,7 +274,7 @@ class PrefixSharing:
             self._spawn(self._free_on_engine(victim), self._frees)
         return True
 
-    async def _fill(self, pc: PrefixContext, client: EngineClient, tokens: list[int]) -> None:
+    async def _fill(self, pc: PrefixContext, client: EngineClient, tokens: list[int], hint: OpHint | None) -> None:
         ok, todo = False, tokens
         try:
             parent_id = None
@@ -279,7 +283,7 @@ class PrefixSharing:
                     parent_id, todo = pc.parent.context_id, tokens[pc.parent.num_tokens:]
                 else:
                     self._unlink_parent(pc)
-            await client.fill(todo, pc.context_id, parent_id)
+            await client.fill(todo, pc.context_id, parent_id, **({"hint": hint} if hint is not None else {}))
             ok = True
         except ParrotError as e:
             logger.warning("filling prefix context %s (%d tokens) on %s failed; its sharers run unshared: %s",

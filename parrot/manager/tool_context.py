@@ -212,8 +212,9 @@ class DagTools:
         # tool again, each after the previous tool's result)
         returned = ahead.return_tokens if tool is not None else None
         step = OpHint(predicted, tool, predicted_return_tokens=returned)
+        elapsed = None if ahead.started_at is None else max(0.0, self._clock() - ahead.started_at)
         return features, OpHint(predicted, tool, predicted_return_tokens=returned,
-                                later=(step,) * max(0, ahead.later_steps))
+                                later=(step,) * max(0, ahead.later_steps), elapsed_s=elapsed)
 
     def generated(self, features: PromptFeatures, output_tokens: int) -> None:
         self.predictors.output_length.observe(features, output_tokens)

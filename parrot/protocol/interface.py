@@ -16,6 +16,7 @@ resumes it when a later context continues it (see :meth:`EngineClient.pause_cont
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
@@ -86,6 +87,15 @@ class OpHint:
     ``later`` (optional): the hints of the request's segments after this one, in order, each with the tokens its
     tool call appends (``predicted_return_tokens``): what a request-level rank (``lamps-request``) scores the
     remaining calls by. Empty: only this segment is known (every field defaults, so older senders are unchanged).
+
+    ``tpot_s`` (optional): the request's per-output-token target. While an op with a target runs, the engine keeps
+    its iterations within the target by limiting the prompt tokens other ops (ops without a target: throughput
+    work sharing the engine) add to them (:mod:`parrot.engine.scheduler.step_budget`); ops with a target are
+    admitted first. Engines that cannot do this ignore it.
+
+    ``elapsed_s`` (optional): how long the request this op belongs to has been running when the op was sent (on the
+    sender's clock; no shared clock needed): a multi-call request's later segment arrives as a new context, and a
+    request-level rank (``lamps-request``) ages it from the request's start, ``arrival - elapsed_s``.
     """
 
     predicted_output_tokens: int | None = None
@@ -93,6 +103,16 @@ class OpHint:
     priority: int = 0  # the request's priority (vLLM's: lower is admitted earlier; ties by arrival)
     predicted_return_tokens: int | None = None  # tokens ``tool``'s result appends to the context
     later: tuple["OpHint", ...] = ()  # the request's later segments (their ``later`` empty)
+    tpot_s: float | None = None  # per-output-token target (seconds); None: no target
+    elapsed_s: float | None = None  # seconds the request had run when this op was sent; None: unknown
+
+    def __post_init__(self) -> None:
+        if self.tpot_s is not None and not (isinstance(self.tpot_s, (int, float)) and math.isfinite(self.tpot_s)
+                                            and self.tpot_s > 0):
+            raise ValueError(f"OpHint.tpot_s must be a finite number > 0 or None, got {self.tpot_s!r}")
+        if self.elapsed_s is not None and not (isinstance(self.elapsed_s, (int, float))
+                                               and math.isfinite(self.elapsed_s) and self.elapsed_s >= 0):
+            raise ValueError(f"OpHint.elapsed_s must be a finite number >= 0 or None, got {self.elapsed_s!r}")
 
     def to_wire(self) -> dict:
         d = {"predicted_output_tokens": self.predicted_output_tokens,
@@ -101,6 +121,10 @@ class OpHint:
             d["predicted_return_tokens"] = self.predicted_return_tokens
         if self.later:
             d["later"] = [h.to_wire() for h in self.later]
+        if self.tpot_s is not None:
+            d["tpot_s"] = self.tpot_s
+        if self.elapsed_s is not None:
+            d["elapsed_s"] = self.elapsed_s
         return d
 
     @classmethod
@@ -111,8 +135,10 @@ class OpHint:
         tool = d.get("tool")
         ret = d.get("predicted_return_tokens")
         later = tuple(h for h in (cls.from_wire(x) for x in d.get("later") or ()) if h is not None)
+        tpot, elapsed = d.get("tpot_s"), d.get("elapsed_s")
         return cls(int(out) if out is not None else None, ToolHint.from_wire(tool) if tool else None,
-                   int(d.get("priority") or 0), int(ret) if ret is not None else None, later)
+                   int(d.get("priority") or 0), int(ret) if ret is not None else None, later,
+                   float(tpot) if tpot is not None else None, float(elapsed) if elapsed is not None else None)
 
 
 @dataclass(frozen=True)

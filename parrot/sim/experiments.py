@@ -198,8 +198,8 @@ def _mixed_size(quick: bool) -> tuple[int, int, int, int]:
     return (2, 8, 1024, 50) if quick else (8, 16, 1024, 50)
 
 
-def mixed_config(policy: str, seed: int, chunked_prefill: bool = True) -> ClusterConfig:
-    return ClusterConfig(engines=4, cost_model="llama7b-a6000", policy=policy, latency_cap_tokens=4096,
+def mixed_config(policy: str, seed: int, chunked_prefill: bool = True, engines: int = 4) -> ClusterConfig:
+    return ClusterConfig(engines=engines, cost_model="llama7b-a6000", policy=policy, latency_cap_tokens=4096,
                          throughput_cap_tokens=load_model("llama7b-a6000").kv_cache_tokens, seed=seed,
                          chunked_prefill=chunked_prefill)
 
@@ -211,15 +211,15 @@ def mixed_apps(quick: bool, seed: int) -> list:
 
 def mixed_results(quick: bool = False, seed: int = 0, chunked_prefill: bool = True, *,
                   policies: tuple[str, ...] = MIXED_POLICIES, with_apps: bool = True,
-                  min_chats: int = 10) -> dict[str, tuple[float, float, int]]:
+                  min_chats: int = 10, engines: int = 4) -> dict[str, tuple[float, float, int]]:
     """Fig. 19 per policy: (chat mean s per output token, map-reduce mean end-to-end s, chats sent);
     ``chunked_prefill=False``: every engine schedules as vLLM did in 2023. Chats arrive until the map-reduce
     apps are done and at least ``min_chats`` were sent; ``with_apps=False``: the same chats alone (map-reduce
-    time 0)."""
+    time 0); ``engines``: the cluster's size (the figure's 4 by default)."""
     chat_rate = MIXED_CHAT_RATE
     results = {}
     for policy in policies:
-        cfg = mixed_config(policy, seed, chunked_prefill)
+        cfg = mixed_config(policy, seed, chunked_prefill, engines)
         apps = mixed_apps(quick, seed) if with_apps else []
         rng = random.Random(f"chat:{seed}")
 
@@ -251,7 +251,7 @@ def mixed_results(quick: bool = False, seed: int = 0, chunked_prefill: bool = Tr
 
 
 def mixed(quick: bool = False, seed: int = 0) -> str:
-    from parrot.sim.bounds import fig19_bounds  # it builds on this module's runs
+    from parrot.sim.bounds import fig19_bounds, fig19_joint  # they build on this module's runs
 
     n_apps, chunks, chunk_tokens, out = _mixed_size(quick)
     chat_rate = MIXED_CHAT_RATE
@@ -266,7 +266,7 @@ def mixed(quick: bool = False, seed: int = 0) -> str:
                                "latency cap 4096")
             + f"\n  ours: chat {lat[0] / p[0]:.2f}x / {thr[0] / p[0]:.2f}x, map-reduce {lat[1] / p[1]:.2f}x / "
               f"{thr[1] / p[1]:.2f}x (vs latency / throughput baseline)   paper: chat 5.5x / 1.23x, map-reduce 3.7x "
-              "/ 1.05x\n\n" + fig19_bounds(results, quick, seed))
+              "/ 1.05x\n\n" + fig19_bounds(results, quick, seed) + "\n\n" + fig19_joint(results, quick, seed))
 
 
 # ---- Fig. 18: multi-agent programming, 1 engine (A100, LLaMA-13B) ---------------------------------------------------

@@ -16,8 +16,10 @@ the in-process EngineClient, request by request, as a tool-calling client would:
     generate(c1, hint=...) ... free_context(c_k)
 
 End-to-end latency is arrival -> last token; TTFT is arrival -> the first generated token. Every policy replays
-the same seeded workload (:mod:`parrot.workloads.tools`). The KV pool is the cost model's, by default an
-A100 limited to 40 GB as in LAMPS §6.1 (GPT-J-6B-class model: LLaMA-7B's roofline).
+the same seeded workload (:mod:`parrot.workloads.tools`); each op's hint states the request's later calls and its
+time so far (``OpHint.later`` / ``elapsed_s``, what ``lamps-request`` ranks and ages by). The KV pool is the cost
+model's, by default an A100 limited to 40 GB as in LAMPS §6.1 (GPT-J-6B-class model: LLaMA-7B's
+roofline).
 """
 
 from __future__ import annotations
@@ -155,7 +157,8 @@ async def drive_request(client: LocalEngineClient, req: ToolRequest, vocab: int,
     for i, seg in enumerate(req.segments):
         ctx = f"r{req.rid}.{i}"
         tool = hints[i].tool
-        hint = dataclasses.replace(hints[i], later=hints[i + 1:])  # the request's remaining calls (lamps-request)
+        # the request's remaining calls and its age so far (lamps-request ranks and ages by them)
+        hint = dataclasses.replace(hints[i], later=hints[i + 1:], elapsed_s=loop.time() - req.arrival_s)
         # as the manager does: the prompt's fill carries the segment's predictions (the engine ranks the request by
         # them), then the generate follows once the fill is done
         filled = await client.fill(tokens, ctx, hint=hint)

@@ -485,7 +485,9 @@ class EngineCore(abc.ABC):
         if self._plan_started is not None:
             t0, rows, ctx_tokens, prefill = self._plan_started
             self._plan_started = None
-            self.step_stats.add(rows, ctx_tokens, prefill, self.clock() - t0)
+            seconds = self.clock() - t0
+            self.step_stats.add(rows, ctx_tokens, prefill, seconds)
+            self.scheduler.observe_step(seconds)
         self.kv.copies_done()
         for ctx, n in out.computed:
             self.kv.mark_computed(ctx, n)
@@ -639,6 +641,7 @@ class EngineCore(abc.ABC):
                    # eviction notices for the global scheduler's prefix tree (Preble §4.3; parrot.manager.policies.e2)
                    "kv_evicted": {"seq": self.pool.num_evicted, "hashes": list(self.pool.evicted_log)},
                    "token_cap": sch.token_cap, "step_stats": self.step_stats.to_wire(),
+                   "step_budget": sch.step_budget.to_wire(),
                    "engine_policy": sch.policy.name,
                    "tool_pauses": sch.pauses.to_wire(), "host_store": self._host_status(),
                    "capabilities": dict(self._capabilities),

@@ -8,6 +8,12 @@ the model) and ``max_num_seqs`` (running ops):
 (``chunked_prefill=False`` instead gives vLLM's scheduler before chunked prefill, for the simulator's 2023 baselines:
 while prompts wait and fit, an iteration is whole prompts only and the decodes wait; :meth:`Scheduler._prefill_step`.)
 
+Ops with a per-token target (``OpHint.tpot_s``, latency work) come first in each group after the decodes, and
+while one is in the iteration the prompt chunks of the others (throughput work sharing the engine) are limited to
+the step budget's allowance, learned from measured step times (:mod:`parrot.engine.scheduler.step_budget`):
+
+    plan = [ decodes | target ops' prefills + admissions | the rest's prefills + admissions <= allowance ]
+
 Order of service: running ops first (decodes before prefill chunks, each group by :func:`service_key`), then
 admission of waiting ops in the engine policy's order (:mod:`parrot.engine.scheduler.policies`: FCFS, Preble's
 priority groups, LAMPS' ranking, ...; the policy reads the scheduler through a read-only :class:`SchedulerView`).
@@ -41,6 +47,7 @@ from parrot.engine.kv_cache.manager import NO_COPIES, KVCopies, KVManager
 from parrot.engine.kv_cache.tool_pauses import PausedContext, PauseTable
 from parrot.engine.scheduler.policies.base import EnginePolicy
 from parrot.engine.scheduler.policies.fcfs import FcfsPreserve
+from parrot.engine.scheduler.step_budget import MIN_TOKENS, StepBudget
 from parrot.engine.scheduler.tool_handling import FixedCosts, Handling, ToolCosts
 
 DEFAULT_OUTPUT_TOKENS = 64  # a generate's predicted output before the engine has seen any finish
@@ -99,6 +106,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.token_cap: int | None = None  # max tokens in running ops' contexts when admitting (None = no cap)
         self.chunked_prefill = chunked_prefill
+        # tokens ops without a per-token target may add to an iteration carrying ops with one (step_budget.py)
+        self.step_budget = StepBudget(max_batch_tokens, min_tokens=min(MIN_TOKENS, max_batch_tokens))
+        self._planned_target: float | None = None  # the strictest target in the last plan (observe_step)
 
     # ---- queue management (called by the engine loop) -----------------------------------------------------
     def add(self, op: Op) -> None:
@@ -164,45 +174,82 @@ class Scheduler:
     # ---- planning ------------------------------------------------------------------------------------------
     def schedule(self) -> BatchPlan:
         """Build the next iteration. Raises TooLargeForPool for an op that can never fit (caller fails it)."""
+        self._planned_target = None
         if not self.chunked_prefill and (plan := self._prefill_step()) is not None:
             return plan
         budget = self.max_batch_tokens
         chunks: list[Chunk] = []
         preempted: list[Op] = []
 
+        # decodes first, then the prompt chunks of ops with a per-token target (their admissions too), then the
+        # rest's, within the step budget's allowance while an op with a target is in the iteration
         decodes = [o for o in self.running if o.ctx.num_uncomputed <= 1]
-        prefills = [o for o in self.running if o.ctx.num_uncomputed > 1]
-        for op in sorted(decodes, key=service_key) + sorted(prefills, key=service_key):
-            if op not in self.running:  # preempted earlier in this loop
-                continue
-            chunk = self._plan_op(op, budget, may_preempt=True, preempted=preempted)
-            if chunk is None:
-                continue
-            chunks.append(chunk)
-            budget -= chunk.num_tokens
-
-        running_tokens = sum(len(o.ctx.tokens) for o in self.running)
-        order = self.policy.order(self.view) if self.waiting and budget > 0 and len(self.running) < self.max_num_seqs \
-            else []
+        prefills = sorted((o for o in self.running if o.ctx.num_uncomputed > 1), key=service_key)
+        targeted = [o for o in prefills if tpot_target(o) is not None]
+        for op in sorted(decodes, key=service_key) + targeted:
+            budget -= self._plan_running(op, budget, chunks, preempted)
         admitted: list[Op] = []
-        for op in order:
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
-                break
-            if op in preempted:  # do not re-admit in the same iteration it was preempted
-                break
-            chunk = self._admit(op, budget, running_tokens, preempted)
-            if chunk is None:
-                break  # FCFS: the head waits (cap or memory), and the ops behind it
-            admitted.append(op)
-            running_tokens += len(op.ctx.tokens)
-            chunks.append(chunk)
-            budget -= chunk.num_tokens
+        blocked, order = False, None
+        if any(tpot_target(o) is not None for o in self.waiting):  # their admissions come before the rest's chunks
+            order = self._order(budget)
+            blocked, budget = self._admit_in_order([o for o in order if tpot_target(o) is not None], budget, chunks,
+                                                   preempted, admitted)
+        targets = [t for t in (tpot_target(c.op) for c in chunks) if t is not None]
+        self._planned_target = min(targets) if targets else None
+        rest = budget if self._planned_target is None else min(budget, self.step_budget.allowance)
+        for op in prefills:
+            if op not in targeted:
+                rest -= self._plan_running(op, rest, chunks, preempted)
+        if not blocked:
+            order = self._order(rest) if order is None else order
+            self._admit_in_order([o for o in order if tpot_target(o) is None], rest, chunks, preempted, admitted)
         if admitted or self.waiting:
             self.policy.after_admission(admitted, self.waiting)
         # an op planned early in this iteration may have been preempted by an older one later on
         planned = tuple(c for c in chunks if c.op.status is OpStatus.RUNNING and c.op in self.running)
         # copies wait for a plan that runs (an empty plan is not executed)
         return BatchPlan(planned, tuple(preempted), self.kv.take_copies() if planned else NO_COPIES)
+
+    def _order(self, budget: int) -> list[Op]:
+        """The engine policy's admission order of the waiting ops, if any can be admitted with ``budget``."""
+        if self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            return self.policy.order(self.view)
+        return []
+
+    def _plan_running(self, op: Op, budget: int, chunks: list[Chunk], preempted: list[Op]) -> int:
+        """Plan running ``op``'s next chunk within ``budget`` (appended to ``chunks``); the tokens it takes."""
+        if op not in self.running:  # preempted earlier in this iteration
+            return 0
+        chunk = self._plan_op(op, budget, may_preempt=True, preempted=preempted)
+        if chunk is None:
+            return 0
+        chunks.append(chunk)
+        return chunk.num_tokens
+
+    def _admit_in_order(self, order: Sequence[Op], budget: int, chunks: list[Chunk], preempted: list[Op],
+                        admitted: list[Op]) -> tuple[bool, int]:
+        """Admit waiting ops of ``order`` (the policy's) while ``budget`` lasts; (whether one had to wait -- FCFS:
+        the ops behind it wait too --, the budget left)."""
+        running_tokens = sum(len(o.ctx.tokens) for o in self.running)
+        for op in order:
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                return False, budget
+            if op in preempted:  # do not re-admit in the same iteration it was preempted
+                return True, budget
+            chunk = self._admit(op, budget, running_tokens, preempted)
+            if chunk is None:
+                return True, budget  # FCFS: the head waits (cap or memory), and the ops behind it
+            admitted.append(op)
+            running_tokens += len(op.ctx.tokens)
+            chunks.append(chunk)
+            budget -= chunk.num_tokens
+        return False, budget
+
+    def observe_step(self, seconds: float) -> None:
+        """The last planned iteration ran in ``seconds`` (measured by the engine core): the step budget learns
+        from it if it carried an op with a per-token target."""
+        if self._planned_target is not None:
+            self.step_budget.observe(seconds, self._planned_target)
 
     def _prefill_step(self) -> BatchPlan | None:
         """Without chunked prefill (vLLM before 2024, the Parrot paper's baselines): while prompts wait and can be
@@ -384,6 +431,11 @@ class SchedulerView:
 
     def expected_tool_s(self, tool: ToolHint) -> float:
         return self._s.pauses.expected_s(tool)
+
+
+def tpot_target(op: Op) -> float | None:
+    """``op``'s per-output-token target (``OpHint.tpot_s``), or None."""
+    return op.hint.tpot_s if op.hint is not None else None
 
 
 def service_key(op: Op) -> tuple[int, float, int]:

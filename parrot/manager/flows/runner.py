@@ -160,6 +160,7 @@ class FlowRun:
     status: FlowStatus = FlowStatus.RUNNING
     error: StepFailed | None = None
     criteria: PerfCriteria | None = None  # asked by a GET of an export: the steps made from now on inherit it
+    started_at: float | None = None  # when it started running (env clock; a restored flow: when it resumed)
     events: list[FlowEvent] = field(default_factory=list)
     _tasks: dict[str, asyncio.Task] = field(default_factory=dict)
     _main: asyncio.Task | None = None
@@ -168,6 +169,7 @@ class FlowRun:
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
     def start(self) -> None:
+        self.started_at = self.env.clock()
         self._main = asyncio.create_task(self._run(), name=f"{self.session.session_id}/{self.flow_id}")
 
     async def cancel(self) -> None:
@@ -302,7 +304,7 @@ class FlowRun:
         if tool is None and later == 0:
             return None
         decl = None if tool is None else ToolDecl(tool.name, (), tool.expected_duration_s)
-        return Lookahead(decl, later, None if loop is None else loop.return_tokens)
+        return Lookahead(decl, later, None if loop is None else loop.return_tokens, self.started_at)
 
     def _generate(self, step: GenerateStep, scope: Scope, origin: str, lookahead: Lookahead | None = None) -> None:
         graph = self.session.graph

@@ -1,11 +1,12 @@
 """Global scheduling policies, selectable per server (``parrot serve --policy NAME``).
 
 ``parrot`` is the paper's application-centric Algorithm 1 (with Preble's E2 for requests without Semantic-Variable
-structure); ``e2`` is Preble's E2 for every request (prefix-aware by token ids, :mod:`.e2`); ``round-robin`` is
-the data-parallel baseline of Preble §5.2; ``fifo-latency`` and ``fifo-throughput`` are the
-request-centric baselines of §8.1 (same code path, FIFO + least-queue + one token cap); ``least-loaded``
-dispatches at once without caps; ``parrot-share`` is ``parrot`` that lets throughput work ride on an engine running
-latency work when the cost model predicts it keeps that work's step within its target (:mod:`.mixed_sharing`).
+structure) in which throughput work may ride on an engine running latency work, under the step target that
+latency work carries to its engine, when that costs it nothing measurable (:mod:`.mixed_sharing`);
+``parrot-split`` is Algorithm 1's fixed split (the ablation); ``e2`` is Preble's E2 for every request
+(prefix-aware by token ids, :mod:`.e2`); ``round-robin`` is the data-parallel baseline of Preble §5.2;
+``fifo-latency`` and ``fifo-throughput`` are the request-centric baselines of §8.1 (same code path, FIFO +
+least-queue + one token cap); ``least-loaded`` dispatches at once without caps.
 """
 
 from __future__ import annotations
@@ -31,13 +32,15 @@ from parrot.manager.policies.base import (
 )
 from parrot.manager.policies.baseline import FifoPolicy, LeastLoadedPolicy, RoundRobinPolicy
 from parrot.manager.policies.e2 import E2Config, E2Policy
-from parrot.manager.policies.mixed_sharing import SharingPolicy
+from parrot.manager.policies.mixed_sharing import SharingPolicy, SplitPolicy
 from parrot.manager.policies.parrot_policy import AppCentricWithE2
 
 _FACTORIES: dict[str, Callable[[CapacityConfig], Policy]] = {
-    "parrot": lambda caps: AppCentricWithE2(caps),
-    "parrot-share": lambda caps: SharingPolicy(caps),  # share vs split per throughput request (mixed_sharing)
-    "parrot-no-task-groups": lambda caps: AppCentricWithE2(caps, task_groups=False),  # an ablation (Fig. 18)
+    # Algorithm 1, throughput work sharing latency engines under the engines' step budget (mixed_sharing)
+    "parrot": lambda caps: SharingPolicy(caps, share_slack=caps.share_slack),
+    "parrot-split": lambda caps: SplitPolicy(caps),  # Algorithm 1's fixed split (the ablation of sharing)
+    "parrot-no-task-groups": lambda caps: SharingPolicy(caps, share_slack=caps.share_slack,
+                                                        task_groups=False),  # an ablation (Fig. 18)
     "fifo-latency": lambda caps: FifoPolicy(caps.latency_cap_tokens, name="fifo-latency"),
     "fifo-throughput": lambda caps: FifoPolicy(caps.throughput_cap_tokens, name="fifo-throughput"),
     "least-loaded": lambda caps: LeastLoadedPolicy(),
@@ -57,7 +60,7 @@ def make_policy(name: str, caps: CapacityConfig | None = None) -> Policy:
 
 __all__ = [
     "POLICY_NAMES", "AppCentricPolicy", "AppCentricWithE2", "E2Config", "E2Policy", "RoundRobinPolicy",
-    "SharingPolicy", "CapacityConfig", "ClusterView", "Demand", "DispatchRequest", "EngineLoad",
+    "SharingPolicy", "SplitPolicy", "CapacityConfig", "ClusterView", "Demand", "DispatchRequest", "EngineLoad",
     "EngineView", "FifoPolicy", "LeastLoadedPolicy", "Occupancy", "PerRequestPolicy", "Placement", "PlacedRequest",
     "Policy", "PrefixLookup", "QueuedRequest", "WorkKind", "make_policy",
 ]

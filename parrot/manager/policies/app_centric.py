@@ -412,8 +412,7 @@ class AppCentricPolicy(Policy):
                     self._wake_at = wake if self._wake_at is None else min(self._wake_at, wake)
                     continue
                 extra = occ.extra_tokens(e, [m.request])
-                if not occ.fits(e, extra, d.cap) or \
-                        (ledger.latency[e].rows and not ledger.admits(e, [m.request], [d], extra)):
+                if not self.throughput_room(e, m, d, extra, occ, ledger):
                     continue
                 finish = ledger.finish_s(e, m.request.max_new_tokens, 1, extra,
                                          max(0, extra - m.request.max_new_tokens))
@@ -427,6 +426,13 @@ class AppCentricPolicy(Policy):
             ledger.add(engine, m.request, d, occ.extra_tokens(engine, [m.request]))
             occ.add(engine, m.request, d)
         return out
+
+    def throughput_room(self, e: str, m: QueuedRequest, d: Demand, extra: int, occ: Occupancy,
+                        ledger: CostLedger) -> bool:
+        """Whether throughput request ``m`` (demand ``d``, adding ``extra`` tokens) has room on ``e`` now: under
+        the engine's caps and, next to latency work, within its latency budget (cost_aware rule c)."""
+        return occ.fits(e, extra, d.cap) and not (ledger.latency[e].rows and
+                                                  not ledger.admits(e, [m.request], [d], extra))
 
     def throughput_pool(self, m: QueuedRequest, names: Collection[str], free: Collection[str], occ: Occupancy,
                         ledger: CostLedger) -> list[str]:

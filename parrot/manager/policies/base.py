@@ -103,6 +103,8 @@ class CapacityConfig:
     min_cap_tokens: int = 256
     tpot_base_s: float = 0.015
     tpot_per_token_s: float = 5e-6
+    # policy parrot: the share by which latency work's step may grow while throughput work rides in it
+    share_slack: float = 0.10
 
     def __post_init__(self) -> None:
         for name in ("latency_cap_tokens", "throughput_cap_tokens", "min_cap_tokens"):
@@ -111,6 +113,8 @@ class CapacityConfig:
         if self.latency_cap_tokens > self.throughput_cap_tokens:
             raise ValueError(f"latency_cap_tokens ({self.latency_cap_tokens}) must not exceed "
                              f"throughput_cap_tokens ({self.throughput_cap_tokens})")
+        if not self.share_slack > 0:
+            raise ValueError(f"share_slack must be > 0, got {self.share_slack!r}")
         if not (self.tpot_base_s >= 0 and self.tpot_per_token_s > 0):
             raise ValueError("tpot_base_s must be >= 0 and tpot_per_token_s > 0")
 
@@ -183,6 +187,9 @@ class QueuedRequest:
 class Placement:
     ticket: int
     engine: str
+    # the per-output-token target the request's generates carry to the engine (OpHint.tpot_s): what its engine
+    # keeps each iteration within while other work shares it; None: the request's own TPOT target, if any
+    tpot_s: float | None = None
 
 
 PrefixLookup = Callable[[str, Sequence[str]], int]  # (engine, prefix hashes) -> tokens of the longest held

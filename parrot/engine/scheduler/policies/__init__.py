@@ -8,7 +8,8 @@ A policy orders the engine's waiting queue and decides how a context paused for 
     fcfs         arrival (service order)                           preserved
     preble       Preble's priority groups by cached ratio (§4.3)   preserved
     lamps        LAMPS' memory over time, starving first (§4.3-4.4) predicted at queueing (LAMPS §4.2)
-    lamps-request  as lamps, over the request's remaining segments     as lamps  (``OpHint.later``; LAMPS §6)
+    lamps-request  as lamps, over the request's remaining segments,    as lamps  (``OpHint.later`` / ``elapsed_s``;
+                 aged by the request's start                                  LAMPS §6)
     lamps-fcfs   arrival                                           predicted at queueing (the "handling only" ablation)
     infercept    arrival                                           least waste at the pause (INFERCEPT)
     discard      arrival                                           discarded, recomputed on return (vLLM)
