@@ -83,6 +83,10 @@ def test_bad_input_is_4xx_with_a_named_problem(engine_server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "context_id"
     r = httpx.post(f"{url}/engine/v1/fill", json={"context_id": "a", "token_ids": [-5]})
     assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+    for hint in ({"tpot_s": -1}, {"elapsed_s": "soon"}, {"priority": "high"}):
+        for path, body in (("fill", {"context_id": "h", "token_ids": [1]}), ("generate", {"context_id": "h"})):
+            r = httpx.post(f"{url}/engine/v1/{path}", json={**body, "hint": hint})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "hint", (path, hint, r.text)
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
 
 

@@ -27,7 +27,7 @@ from fastapi.responses import Response
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from parrot.common.errors import UnknownContext
+from parrot.common.errors import InvalidRequestError, UnknownContext
 from parrot.common.sampling import SamplingParams
 from parrot.drain import Drain, DrainMiddleware
 from parrot.protocol.interface import EngineClient, OpHint, ToolHint
@@ -127,7 +127,7 @@ def create_engine_app(client: EngineClient, settings: EngineServerSettings | Non
     async def fill(req: FillRequest) -> dict:
         contexts.add(req.context_id)
 
-        hint = OpHint.from_wire(req.hint)
+        hint = _hint(req.hint)
 
         def work():
             return client.fill(req.token_ids, req.context_id, req.parent_context_id,
@@ -141,7 +141,7 @@ def create_engine_app(client: EngineClient, settings: EngineServerSettings | Non
     @app.post("/engine/v1/generate")
     async def generate(req: GenerateRequest):
         sampling = SamplingParams.from_dict(req.sampling)
-        hint = OpHint.from_wire(req.hint)
+        hint = _hint(req.hint)
         contexts.add(req.context_id)
         if not req.stream:
             return to_json(await client.generate(sampling, req.context_id, req.parent_context_id, hint=hint))
@@ -206,3 +206,11 @@ def create_engine_app(client: EngineClient, settings: EngineServerSettings | Non
 
 
 _WORK_PATHS = frozenset({"/engine/v1/fill", "/engine/v1/generate"})  # refused while draining
+
+
+def _hint(wire: dict | None) -> OpHint | None:
+    """The request's OpHint; a malformed one is the caller's error (400 naming ``hint``), not the engine's."""
+    try:
+        return OpHint.from_wire(wire)
+    except (TypeError, ValueError, AttributeError) as e:
+        raise InvalidRequestError(f"invalid hint: {e}", param="hint") from e

@@ -38,8 +38,12 @@ class LampsOrder(EnginePolicy):
         started = [o for o in waiting if _started(o)]
         running = view.running_tokens()  # one sum per ranking (a waiting op's context has no running op)
         ranked = self.ranker.order([o for o in waiting if not _started(o)], lambda o: o.seq_no,
-                                   lambda o: self.score(o, view, running))
+                                   lambda o: self.key(o, view, running))
         return started + ranked
+
+    def key(self, op: Op, view: EngineView, running_tokens: int | None = None) -> float:
+        """What the ranker orders waiting ops by (ascending): here the segment's :meth:`score`."""
+        return self.score(op, view, running_tokens)
 
     def after_admission(self, admitted: Sequence[Op], still_waiting: Sequence[Op]) -> None:
         """LAMPS §4.4: one pass counted per iteration waited."""

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from parrot.engine.runtime.context import Op
 from parrot.engine.scheduler.policies.base import EngineView
-from parrot.engine.scheduler.policies.lamps import LampsOrder, _started
+from parrot.engine.scheduler.policies.lamps import LampsOrder
 from parrot.engine.scheduler.policies.pauses import PredictedPauses
 from parrot.engine.scheduler.tool_handling import choose_handling, memory_time
 
@@ -65,16 +65,6 @@ class LampsRequestOrder(LampsOrder):
         if not aging_tokens > 0.0:
             raise ValueError(f"aging_tokens must be > 0, got {aging_tokens!r}")
         self.aging_tokens = aging_tokens
-
-    def order(self, view: EngineView) -> list[Op]:
-        waiting = view.waiting
-        if not any(o.hint is not None for o in waiting):
-            return list(waiting)
-        started = [o for o in waiting if _started(o)]
-        running = view.running_tokens()
-        ranked = self.ranker.order([o for o in waiting if not _started(o)], lambda o: o.seq_no,
-                                   lambda o: self.key(o, view, running))
-        return started + ranked
 
     def key(self, op: Op, view: EngineView, running_tokens: int | None = None) -> float:
         """The op's virtual finish time (seconds, engine clock): its request's start plus :meth:`score` over
