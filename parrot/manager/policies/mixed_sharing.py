@@ -67,16 +67,18 @@ class SharingPolicy(AppCentricWithE2):
     # ---- latency work carries its engine's target -------------------------------------------------------------
     def place(self, queue: Sequence[QueuedRequest], cluster: ClusterView) -> list[Placement]:
         queued = {q.ticket: q for q in queue}
-        return [self._targeted(p, queued[p.ticket], cluster) for p in super().place(queue, cluster)]
+        placed = super().place(queue, cluster)
+        before = CostLedger(cluster, Occupancy(cluster))  # the latency work placed in earlier rounds
+        return [self._targeted(p, queued[p.ticket], cluster, before) for p in placed]
 
-    def _targeted(self, p: Placement, q: QueuedRequest, cluster: ClusterView) -> Placement:
+    def _targeted(self, p: Placement, q: QueuedRequest, cluster: ClusterView, before: CostLedger) -> Placement:
         """``p`` with its engine's step target if ``q`` is latency work without a TPOT target of its own (the
-        dispatcher passes an explicit one on as it is). Algorithm 1's placements are in this round's ledger
-        already; E2's (unstructured requests: OpenAI completions) are added to the latency work they join."""
+        dispatcher passes an explicit one on as it is): one step of the latency work placed there in earlier
+        rounds and ``q`` (Algorithm 1's and E2's placements alike), times 1 + share_slack."""
         if p.tpot_s is not None or q.info.targets.tpot_s is not None or \
                 self._demand(q, cluster).kind is not WorkKind.LATENCY:
             return p
-        step = self.latency_step_s(p.engine, self._ledger, q.request if self.unstructured(q.request) else None)
+        step = self.latency_step_s(p.engine, before, q.request)
         return dataclasses.replace(p, tpot_s=None if step is None else step * (1 + self.share_slack))
 
     @staticmethod
