@@ -57,6 +57,8 @@ from parrot.workloads.apps import DEFAULT_DOCUMENT, load_document
 from parrot.workloads.arrivals import poisson_arrivals
 from parrot.workloads.baseline_client import EmulatedLatency
 from parrot.workloads.flows import (
+    AGENT_MODES,
+    MODE_BASE,
     AgentConfig,
     RouterConfig,
     agent_flow,
@@ -71,9 +73,6 @@ from parrot.workloads.flows import (
 )
 
 log = logging.getLogger(__name__)
-MODES = ("flow+rtt", "client+rtt", "openai+rtt", "flow", "client")
-BASE = {"flow+rtt": "flow+rtt", "client+rtt": "flow+rtt", "openai+rtt": "flow+rtt", "flow": "flow",
-        "client": "flow"}  # the flow mode each mode is compared with (the same network)
 POLL_S = 60.0
 
 
@@ -98,7 +97,7 @@ class BenchConfig:
     engines: int = 0                  # 0: the server's in-process engine; N: --engines N processes
     model: str | None = None          # None: the default SmolLM2-135M
     random_model: str | None = None   # quick: "tiny"
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = AGENT_MODES
     seed: int = 0
 
 
@@ -225,7 +224,7 @@ def run_agents(url: str, bc: BenchConfig, model: str) -> dict:
         order = modes[r % len(modes):] + modes[:r % len(modes)]
         res = {}
         for mode in order:
-            questions = agent_questions(bc.agents, bc.seed * 100 + r, doc, tag=f"r{r}m{MODES.index(mode)}-")
+            questions = agent_questions(bc.agents, bc.seed * 100 + r, doc, tag=f"r{r}m{AGENT_MODES.index(mode)}-")
             res[mode] = asyncio.run(agent_batch(url, mode, cfg, questions, doc, latency, model))
             log.warning("agent repeat %d %s: batch %.2f s, mean %.2f s, %.1f calls/agent", r, mode,
                         res[mode]["batch_s"], res[mode]["mean_s"], res[mode]["calls_per_agent"])
@@ -237,9 +236,9 @@ def run_agents(url: str, bc: BenchConfig, model: str) -> dict:
         summary[mode] = {"batch_s_median": statistics.median(b), "mean_s_median": statistics.median(m),
                          "calls_per_agent": runs[0]["modes"][mode]["calls_per_agent"],
                          "iterations": runs[0]["modes"][mode]["iterations"]}
-    ratios = {mode: {"batch": ratio(s["batch_s_median"], summary[BASE[mode]]["batch_s_median"]),
-                     "mean": ratio(s["mean_s_median"], summary[BASE[mode]]["mean_s_median"])}
-              for mode, s in summary.items() if BASE[mode] in summary}
+    ratios = {mode: {"batch": ratio(s["batch_s_median"], summary[MODE_BASE[mode]]["batch_s_median"]),
+                     "mean": ratio(s["mean_s_median"], summary[MODE_BASE[mode]]["mean_s_median"])}
+              for mode, s in summary.items() if MODE_BASE[mode] in summary}
     return {"runs": runs, "summary": summary, "ratios_vs_flow": ratios, "config": asdict(cfg),
             "doc_chars": len(doc)}
 
@@ -421,7 +420,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--router-requests", type=int, default=None)
     p.add_argument("--router-rate", type=float, default=None)
-    p.add_argument("--modes", default=None, help=f"comma-separated subset of {','.join(MODES)} (flow is required)")
+    p.add_argument("--modes", default=None,
+                   help=f"comma-separated subset of {','.join(AGENT_MODES)} (flow is required)")
     p.add_argument("--model", default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--key", default=None, help="the run's key in flows.json (default <cpu path>-<cpu>)")
@@ -438,8 +438,8 @@ def main(argv: list[str] | None = None) -> dict:
                               "modes": tuple(args.modes.split(",")) if args.modes else None}.items()
             if v is not None}
     bc = replace(bc, **over)
-    if set(bc.modes) - set(MODES) or any(BASE[m] not in bc.modes for m in bc.modes):
-        raise SystemExit(f"--modes: a subset of {MODES} with the flow mode of each (flow+rtt for the +rtt modes)")
+    if set(bc.modes) - set(AGENT_MODES) or any(MODE_BASE[m] not in bc.modes for m in bc.modes):
+        raise SystemExit(f"--modes: a subset of {AGENT_MODES} with the flow mode of each (flow+rtt for the +rtt modes)")
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     data = run_all(bc)
     data["conditions"] = conditions(data, bc, load)

@@ -41,6 +41,8 @@ from parrot.sim.vloop import run_virtual
 from parrot.workloads import synth as W
 from parrot.workloads.arrivals import poisson_arrivals
 from parrot.workloads.flows import (
+    AGENT_MODES,
+    MODE_BASE,
     AgentConfig,
     RouterConfig,
     agent_flow,
@@ -56,12 +58,6 @@ from parrot.workloads.flows import (
 
 log = logging.getLogger(__name__)
 
-AGENT_MODES = ("flow+rtt", "client+rtt", "openai+rtt", "flow", "client")
-"""flow: one submission; client: the Parrot API, a submit + a get per iteration; openai: one completion per
-iteration; +rtt: every client call pays an emulated round trip (the others: none)."""
-BASE = {"flow+rtt": "flow+rtt", "client+rtt": "flow+rtt", "openai+rtt": "flow+rtt", "flow": "flow",
-        "client": "flow"}
-"""The flow mode each mode is compared with (the same network)."""
 
 
 @dataclass(frozen=True)
@@ -210,7 +206,7 @@ def agent(quick: bool = False, seed: int = 0, exp: AgentExperiment | None = None
                          "calls_per_agent": statistics.fmean(x[1] for x in out),
                          "iterations": statistics.fmean(x[2] for x in out), "flows": counters}
     rows = [[mode, r["mean_s"], r["p99_s"], r["calls_per_agent"], r["iterations"], r["makespan_s"],
-             ratio(r["mean_s"], results[BASE[mode]]["mean_s"])] for mode, r in results.items()]
+             ratio(r["mean_s"], results[MODE_BASE[mode]]["mean_s"])] for mode, r in results.items()]
     table = format_table(["mode", "mean s", "p99 s", "client calls / agent", "iterations", "makespan s",
                           "mean / flow (same RTT)"], rows,
                          title=f"[flows: agent loop] {exp.agents} ReAct agents (Poisson {exp.rate:g}/s), "

@@ -64,6 +64,14 @@ THINK_TEMPLATE = "{{input:history}}\nThought:{{output:thought}}"
 STEP_TEMPLATE = "{{input:history}}\nThought:{{input:thought}}\nObservation: {{input:obs}}"
 
 
+AGENT_MODES = ("flow+rtt", "client+rtt", "openai+rtt", "flow", "client")
+"""How the agent loop is driven: flow = one submission; client = the Parrot API, a submit + a get per iteration;
+openai = one completion per iteration; +rtt = every client call pays an emulated round trip (the others: none)."""
+MODE_BASE = {"flow+rtt": "flow+rtt", "client+rtt": "flow+rtt", "openai+rtt": "flow+rtt", "flow": "flow",
+             "client": "flow"}
+"""The flow mode each mode is compared with (the same network)."""
+
+
 @dataclass(frozen=True)
 class AgentConfig:
     max_steps: int = 6
